@@ -1,0 +1,93 @@
+"""The plugin's own settings: ``VLLM_JOURNEY_OTEL*`` environment variables.
+
+Everything the OpenTelemetry SDK already reads (endpoint, headers, TLS, protocol,
+OTEL_BSP_*, OTEL_TRACES_SAMPLER, OTEL_SERVICE_NAME, OTEL_SDK_DISABLED, ...) is left
+to the SDK; this module parses only what is ours. A bad value never raises: it
+logs one warning naming the variable and the accepted values, and the safe default
+is used.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+# A child of vLLM's logger, so our lines appear with vLLM's format and level.
+logger = logging.getLogger("vllm.journey_otel")
+
+ENABLE = "VLLM_JOURNEY_OTEL"
+QUEUE_SIZE = "VLLM_JOURNEY_OTEL_QUEUE_SIZE"
+EXPORT_INTERVAL_MS = "VLLM_JOURNEY_OTEL_EXPORT_INTERVAL_MS"
+SHUTDOWN_TIMEOUT_S = "VLLM_JOURNEY_OTEL_SHUTDOWN_TIMEOUT_S"
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Parsed settings. Immutable; read once per process when the plugin loads."""
+
+    enabled: bool = False
+    # Finished journeys waiting for the span-building thread; beyond it they are
+    # dropped and counted, never blocking the engine.
+    queue_size: int = 16384
+    # How often the span-building thread wakes to drain the queue.
+    export_interval_ms: int = 100
+    # Deadline for the final flush when the engine core shuts down. vLLM's parent
+    # sends SIGKILL about 5 s after SIGTERM, so stay well under it.
+    shutdown_timeout_s: float = 3.0
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    raw = env.get(name, "")
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value not in _FALSE:
+        logger.warning(
+            "%s=%r is not understood; accepted values: 1/true/yes/on or 0/false/no/off. "
+            "Journey tracing stays off.",
+            name,
+            raw,
+        )
+    return False
+
+
+def _number(env: Mapping[str, str], name: str, default: float, low: float, high: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (low <= value <= high):  # also rejects NaN
+        logger.warning(
+            "%s=%r is not a number in [%g, %g]; using the default %g.",
+            name,
+            raw,
+            low,
+            high,
+            default,
+        )
+        return default
+    return value
+
+
+def from_env(env: Mapping[str, str] | None = None) -> Config:
+    """Read the settings from ``env`` (default: ``os.environ``). Never raises."""
+    env = os.environ if env is None else env
+    if not _flag(env, ENABLE):
+        return Config(enabled=False)
+    d = Config()
+    return Config(
+        enabled=True,
+        queue_size=int(_number(env, QUEUE_SIZE, d.queue_size, 1, 10_000_000)),
+        export_interval_ms=int(
+            _number(env, EXPORT_INTERVAL_MS, d.export_interval_ms, 1, 60_000)
+        ),
+        shutdown_timeout_s=_number(env, SHUTDOWN_TIMEOUT_S, d.shutdown_timeout_s, 0, 60),
+    )

@@ -1,0 +1,569 @@
+"""Wrappers around vLLM's v1 Scheduler: the only module that imports vLLM.
+
+Process and thread: the wrappers run wherever a ``Scheduler`` lives, the
+engine-core process, on the engine-core thread (the busy loop). Each wrapper
+
+* calls the original exactly once, returns its value unchanged and lets its
+  exceptions propagate;
+* copies a few integers and one ``time.monotonic_ns()`` stamp into the request's
+  :class:`~vllm_journey_otel.journey.RequestJourney`, which lives on the vLLM
+  ``Request`` object (so it dies with it);
+* never calls OpenTelemetry and never loops over the whole batch: per step it
+  touches only the requests scheduled for the first time or resumed, and those
+  still waiting for their first token of a cycle (the ``awaiting`` map);
+* on any error of its own logs one warning and switches tracing off for the
+  process; vLLM goes on untouched.
+
+Hook points (vLLM 0.32 and 0.33):
+``__init__`` (create the tracker and, once per process, the export pipeline),
+``add_request`` (admission; an id already known is a streaming-input
+continuation), ``schedule`` (first schedule or resume, prefill chunks),
+``_preempt_request`` (preemption, read before vLLM resets ``num_computed_tokens``;
+without it, ``SchedulerOutput.preempted_req_ids``), ``update_from_output``
+(first token of a cycle), ``_free_request`` (every terminal transition), and
+``shutdown`` (flush with a deadline).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from opentelemetry.sdk.trace.export import SpanExporter
+
+from . import __version__
+from . import schema as S
+from .compat import Support, check
+from .config import Config, logger
+from .journey import (
+    RUNNING,
+    STATUS_ABORTED,
+    STATUS_ERROR,
+    STATUS_IGNORED,
+    STATUS_LENGTH,
+    STATUS_STOPPED,
+    RequestJourney,
+)
+from .pipeline import JourneyPipeline
+from .provider import make_tracer_provider, sdk_disabled
+
+_now = time.monotonic_ns
+
+# Attribute names we set on vLLM objects.
+TRACKER_ATTR = "_vjo_tracker"
+JOURNEY_ATTR = "_vjo_journey"
+
+
+def _vllm() -> tuple[str, type, type, Any]:
+    """Import what we need from vLLM (here and only here)."""
+    import vllm
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import RequestStatus
+
+    version = str(getattr(vllm, "__version__", "0"))
+    return version, Scheduler, RequestStatus, vllm
+
+
+class _State:
+    """Process-wide plugin state (one per process)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.enabled = False
+        self.installed = False
+        self.config = Config()
+        self.support: Support | None = None
+        self.vllm_version = ""
+        # name -> (original, whether Scheduler defined it itself or inherited it)
+        self.originals: dict[str, tuple[Callable[..., Any], bool]] = {}
+        self.scheduler_cls: type | None = None
+        self.status_map: dict[Any, tuple[int, str]] = {}
+        self.pipeline: JourneyPipeline | None = None
+        self.pipeline_pid = 0
+        # Tests inject an exporter; otherwise the OTEL_* variables decide.
+        self.exporters: Sequence[SpanExporter] | None = None
+        self.batch = True
+        self.failed = False
+
+
+_STATE = _State()
+
+
+def _fail(where: str) -> None:
+    """Our own bookkeeping broke: warn once, switch tracing off, let vLLM go on."""
+    if not _STATE.failed:
+        _STATE.failed = True
+        logger.warning(
+            "journey-otel: internal error in the %s hook; journey tracing is now off "
+            "for this process (vLLM is unaffected)",
+            where,
+            exc_info=True,
+        )
+    _STATE.enabled = False
+
+
+# ---------------------------------------------------------------------------
+# Export pipeline, one per process, created where a Scheduler is built
+# ---------------------------------------------------------------------------
+def _resource_attributes(scheduler: Any) -> dict[str, Any]:
+    vc = scheduler.vllm_config
+    model = getattr(vc.model_config, "served_model_name", None) or getattr(
+        vc.model_config, "model", ""
+    )
+    if isinstance(model, list | tuple):
+        model = model[0] if model else ""
+    return {
+        S.RES_MODEL: str(model),
+        S.RES_DP_RANK: int(getattr(vc.parallel_config, "data_parallel_rank", 0) or 0),
+        S.RES_VLLM_VERSION: _STATE.vllm_version,
+        S.RES_PLUGIN_VERSION: __version__,
+        S.RES_HOST: socket.gethostname(),
+        S.RES_PID: os.getpid(),
+    }
+
+
+def _pipeline_for(scheduler: Any) -> JourneyPipeline:
+    with _STATE.lock:
+        pid = os.getpid()
+        if _STATE.pipeline is None or _STATE.pipeline_pid != pid:
+            cfg = _STATE.config
+            provider = make_tracer_provider(
+                _resource_attributes(scheduler), _STATE.exporters, batch=_STATE.batch
+            )
+            _STATE.pipeline = JourneyPipeline(
+                provider,
+                max_queue=cfg.queue_size,
+                interval_s=cfg.export_interval_ms / 1000.0,
+            )
+            _STATE.pipeline_pid = pid
+            # In-process engines exit through atexit; a forked engine core does
+            # not run atexit, which is why Scheduler.shutdown flushes too.
+            atexit.register(flush, cfg.shutdown_timeout_s)
+        return _STATE.pipeline
+
+
+def flush(timeout_s: float | None = None) -> bool:
+    """Export every finished journey of this process within ``timeout_s``."""
+    pipeline = _STATE.pipeline
+    if pipeline is None or _STATE.pipeline_pid != os.getpid():
+        return True
+    t = _STATE.config.shutdown_timeout_s if timeout_s is None else timeout_s
+    return pipeline.flush(t)
+
+
+def pipeline() -> JourneyPipeline | None:
+    """This process's export pipeline, if a Scheduler created one."""
+    return _STATE.pipeline if _STATE.pipeline_pid == os.getpid() else None
+
+
+# ---------------------------------------------------------------------------
+# Per-scheduler bookkeeping
+# ---------------------------------------------------------------------------
+class SchedulerTracker:
+    """Journey bookkeeping of one Scheduler instance (engine-core thread only)."""
+
+    __slots__ = (
+        "awaiting",
+        "hook_preempt",
+        "in_update",
+        "last_update_ids",
+        "last_update_mono_ns",
+        "pipeline",
+        "scheduler",
+        "status_map",
+        "step",
+        "update_mono_ns",
+    )
+
+    def __init__(self, scheduler: Any, pipeline: JourneyPipeline, hook_preempt: bool) -> None:
+        self.scheduler = scheduler
+        self.pipeline = pipeline
+        self.hook_preempt = hook_preempt
+        self.status_map = _STATE.status_map
+        self.step = 0
+        # request id -> (Request, RequestJourney) for requests whose current cycle
+        # has no token yet (or that were preempted before their first token).
+        self.awaiting: dict[str, tuple[Any, RequestJourney]] = {}
+        self.in_update = False
+        self.update_mono_ns = 0
+        self.last_update_mono_ns = 0
+        self.last_update_ids: Any = ()
+
+    # add_request ----------------------------------------------------------
+    def before_add(self, request: Any) -> bool:
+        # A known id is the next input chunk of a streaming-input session, not a
+        # new request.
+        return bool(request.request_id in self.scheduler.requests)
+
+    def after_add(self, request: Any, known: bool) -> None:
+        if known:
+            return
+        sp = request.sampling_params
+        lora = request.lora_request
+        setattr(
+            request,
+            JOURNEY_ATTR,
+            RequestJourney(
+                request.request_id,
+                request.arrival_time,
+                _now(),
+                self.step,
+                request.num_prompt_tokens,
+                sp.max_tokens if sp is not None else None,
+                request.priority,
+                lora.lora_name if lora is not None else None,
+                request.trace_headers,
+            ),
+        )
+
+    # schedule --------------------------------------------------------------
+    def after_schedule(self, t: int, out: Any) -> None:
+        self.step += 1
+        step = self.step
+        requests = self.scheduler.requests
+        nst = out.num_scheduled_tokens
+        if not self.hook_preempt:
+            for rid in out.preempted_req_ids:
+                req = requests.get(rid)
+                j = getattr(req, JOURNEY_ATTR, None)
+                if j is not None:
+                    j.preempted(t, step, j.prefill_hwm, req.num_output_tokens, -1.0, -1, -1)
+        awaiting = self.awaiting
+        new_ids = [nr.req_id for nr in out.scheduled_new_reqs]
+        # V1 model runner: resumed requests are listed apart. V2 runner (0.33's GPU
+        # default): they are in scheduled_new_reqs. The journey's own state tells
+        # a first schedule from a resume either way.
+        new_ids.extend(out.scheduled_cached_reqs.resumed_req_ids)
+        for rid in new_ids:
+            req = requests.get(rid)
+            j = getattr(req, JOURNEY_ATTR, None)
+            if j is None:
+                continue
+            after = req.num_computed_tokens
+            if j.scheduled(t, step, after - nst.get(rid, 0), after, req.num_tokens, req.num_output_tokens):
+                awaiting[rid] = (req, j)
+        for rid, (req, j) in awaiting.items():
+            n = nst.get(rid)
+            if n:
+                after = req.num_computed_tokens
+                j.stepped(step, after - n, after)
+
+    # _preempt_request ------------------------------------------------------
+    def before_preempt(self, request: Any) -> tuple[int, int, float, int, int] | None:
+        if getattr(request, JOURNEY_ATTR, None) is None:
+            return None
+        s = self.scheduler
+        # Read before vLLM frees the blocks and resets num_computed_tokens: the
+        # usage that forced the preemption, and the progress it throws away.
+        return (
+            request.num_computed_tokens,
+            request.num_output_tokens,
+            float(s.kv_cache_manager.usage),
+            len(s.running),
+            len(s.waiting),
+        )
+
+    def after_preempt(self, request: Any, pre: tuple[int, int, float, int, int] | None) -> None:
+        j = getattr(request, JOURNEY_ATTR, None)
+        if pre is None or j is None:
+            return
+        j.preempted(_now(), self.step, *pre)
+        if not j.awaiting_token:
+            self.awaiting.pop(request.request_id, None)
+
+    # update_from_output ----------------------------------------------------
+    def before_update(self) -> None:
+        self.in_update = True
+        self.update_mono_ns = _now()
+
+    def after_update(self, scheduler_output: Any) -> None:
+        t = self.update_mono_ns
+        self.in_update = False
+        self.last_update_mono_ns = t
+        self.last_update_ids = scheduler_output.num_scheduled_tokens
+        awaiting = self.awaiting
+        if not awaiting:
+            return
+        step = self.step
+        done = None
+        for rid, (req, j) in awaiting.items():
+            j.tokens(t, step, req.num_output_tokens)
+            if not j.awaiting_token:
+                if done is None:
+                    done = [rid]
+                else:
+                    done.append(rid)
+        if done:
+            for rid in done:
+                del awaiting[rid]
+
+    # _free_request ---------------------------------------------------------
+    def after_free(self, request: Any) -> None:
+        j: RequestJourney | None = getattr(request, JOURNEY_ATTR, None)
+        if j is None:
+            return
+        setattr(request, JOURNEY_ATTR, None)
+        rid = request.request_id
+        self.awaiting.pop(rid, None)
+        out_tokens = request.num_output_tokens
+        if self.in_update:
+            t = self.update_mono_ns
+            last = t
+        else:
+            t = _now()
+            # Finished outside update_from_output (an abort): its last token came
+            # with the last processed step if it was in that batch and decoding.
+            last = (
+                self.last_update_mono_ns
+                if j.state == RUNNING and j.decoding and rid in self.last_update_ids
+                else None
+            )
+        j.tokens(t, self.step, out_tokens)
+        status, reason = self.status_map.get(request.status, (STATUS_ABORTED, "abort"))
+        finished = j.finish(t, self.step, status, reason, out_tokens, last)
+        if finished is not None:
+            self.pipeline.submit(finished)
+
+
+# ---------------------------------------------------------------------------
+# The wrappers
+# ---------------------------------------------------------------------------
+def _tracker(scheduler: Any) -> SchedulerTracker | None:
+    if not _STATE.enabled:
+        return None
+    return scheduler.__dict__.get(TRACKER_ATTR)  # type: ignore[no-any-return]
+
+
+def _wrap_init(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        orig(self, *args, **kwargs)
+        if not _STATE.enabled:
+            return
+        try:
+            support = _STATE.support
+            hook_preempt = support.hook_preempt if support is not None else True
+            self.__dict__[TRACKER_ATTR] = SchedulerTracker(self, _pipeline_for(self), hook_preempt)
+        except Exception:
+            _fail("Scheduler.__init__")
+
+    return __init__
+
+
+def _wrap_add_request(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        tr = _tracker(self)
+        if tr is None:
+            return orig(self, request, *args, **kwargs)
+        try:
+            known = tr.before_add(request)
+        except Exception:
+            _fail("add_request")
+            return orig(self, request, *args, **kwargs)
+        result = orig(self, request, *args, **kwargs)
+        try:
+            tr.after_add(request, known)
+        except Exception:
+            _fail("add_request")
+        return result
+
+    return add_request
+
+
+def _wrap_schedule(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        tr = _tracker(self)
+        if tr is None:
+            return orig(self, *args, **kwargs)
+        t = _now()
+        result = orig(self, *args, **kwargs)
+        try:
+            tr.after_schedule(t, result)
+        except Exception:
+            _fail("schedule")
+        return result
+
+    return schedule
+
+
+def _wrap_preempt(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def _preempt_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        tr = _tracker(self)
+        if tr is None:
+            return orig(self, request, *args, **kwargs)
+        try:
+            pre = tr.before_preempt(request)
+        except Exception:
+            _fail("_preempt_request")
+            return orig(self, request, *args, **kwargs)
+        result = orig(self, request, *args, **kwargs)
+        try:
+            tr.after_preempt(request, pre)
+        except Exception:
+            _fail("_preempt_request")
+        return result
+
+    return _preempt_request
+
+
+def _wrap_update(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def update_from_output(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        tr = _tracker(self)
+        if tr is None:
+            return orig(self, scheduler_output, *args, **kwargs)
+        tr.before_update()
+        try:
+            result = orig(self, scheduler_output, *args, **kwargs)
+        finally:
+            tr.in_update = False
+        try:
+            tr.after_update(scheduler_output)
+        except Exception:
+            _fail("update_from_output")
+        return result
+
+    return update_from_output
+
+
+def _wrap_free(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def _free_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        result = orig(self, request, *args, **kwargs)
+        tr = _tracker(self)
+        if tr is not None:
+            try:
+                tr.after_free(request)
+            except Exception:
+                _fail("_free_request")
+        return result
+
+    return _free_request
+
+
+def _wrap_shutdown(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def shutdown(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = orig(self, *args, **kwargs)
+        # Requests aborted by the shutdown went through _free_request just
+        # before this; export them and everything finished earlier.
+        if self.__dict__.get(TRACKER_ATTR) is not None:
+            try:
+                if not flush():
+                    logger.warning(
+                        "journey-otel: not every journey was exported within %.1f s of shutdown",
+                        _STATE.config.shutdown_timeout_s,
+                    )
+            except Exception:
+                logger.warning("journey-otel: flush at shutdown failed", exc_info=True)
+        return result
+
+    return shutdown
+
+
+_WRAPPERS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
+    "__init__": _wrap_init,
+    "add_request": _wrap_add_request,
+    "schedule": _wrap_schedule,
+    "_preempt_request": _wrap_preempt,
+    "update_from_output": _wrap_update,
+    "_free_request": _wrap_free,
+    "shutdown": _wrap_shutdown,
+}
+
+
+def _status_map(request_status: Any) -> dict[Any, tuple[int, str]]:
+    table = {
+        "FINISHED_STOPPED": (STATUS_STOPPED, "stop"),
+        "FINISHED_LENGTH_CAPPED": (STATUS_LENGTH, "length"),
+        "FINISHED_ABORTED": (STATUS_ABORTED, "abort"),
+        "FINISHED_IGNORED": (STATUS_IGNORED, "length"),
+        "FINISHED_ERROR": (STATUS_ERROR, "error"),
+        # A stop on a detected repetition loop: "stopped", reason "repetition".
+        "FINISHED_REPETITION": (STATUS_STOPPED, "repetition"),
+    }
+    return {
+        getattr(request_status, name): value
+        for name, value in table.items()
+        if hasattr(request_status, name)
+    }
+
+
+def install(
+    config: Config,
+    exporters: Sequence[SpanExporter] | None = None,
+    batch: bool = True,
+) -> bool:
+    """Wrap the Scheduler's methods once per process. Returns True when tracing is on.
+
+    Idempotent: a second call changes nothing but the enabled flag and, for
+    tests, the injected exporters. Never raises.
+    """
+    try:
+        with _STATE.lock:
+            if not config.enabled:
+                return False
+            if sdk_disabled():
+                logger.info("journey-otel: OTEL_SDK_DISABLED=true, journey tracing stays off")
+                return False
+            version, scheduler_cls, request_status, _ = _vllm()
+            support = check(version, scheduler_cls)
+            if not support.ok:
+                logger.warning("journey-otel: %s", support.reason)
+                return False
+            _STATE.config = config
+            _STATE.support = support
+            _STATE.vllm_version = version
+            _STATE.exporters = exporters
+            _STATE.batch = batch
+            _STATE.status_map = _status_map(request_status)
+            if not _STATE.installed:
+                for name, make in _WRAPPERS.items():
+                    if name == "_preempt_request" and not support.hook_preempt:
+                        continue
+                    own = name in scheduler_cls.__dict__
+                    orig = getattr(scheduler_cls, name)
+                    _STATE.originals[name] = (orig, own)
+                    setattr(scheduler_cls, name, make(orig))
+                _STATE.scheduler_cls = scheduler_cls
+                _STATE.installed = True
+            _STATE.failed = False
+            _STATE.enabled = True
+            logger.info("journey-otel: %s; scheduler hooks installed", support.reason)
+            return True
+    except Exception:
+        logger.warning("journey-otel: could not install; journey tracing stays off", exc_info=True)
+        return False
+
+
+def uninstall(timeout_s: float = 5.0) -> None:
+    """Restore the original Scheduler methods and shut the pipeline down (tests)."""
+    with _STATE.lock:
+        cls = _STATE.scheduler_cls
+        if cls is not None:
+            for name, (orig, own) in _STATE.originals.items():
+                if own:
+                    setattr(cls, name, orig)
+                else:
+                    delattr(cls, name)
+        _STATE.originals.clear()
+        _STATE.installed = False
+        _STATE.enabled = False
+        _STATE.scheduler_cls = None
+        pipeline, _STATE.pipeline = _STATE.pipeline, None
+    if pipeline is not None:
+        pipeline.shutdown(timeout_s)
+
+
+def enabled() -> bool:
+    """Whether journey tracing is on in this process."""
+    return _STATE.enabled

@@ -1,0 +1,333 @@
+"""The journey model: a request's lifecycle as a small list of frozen events.
+
+Pure: imports neither vLLM nor OpenTelemetry. The scheduler hooks (``hooks.py``)
+read a few integers off vLLM objects and call the transition methods of
+:class:`RequestJourney`; when the request ends, :meth:`RequestJourney.finish`
+returns a :class:`FinishedJourney`, which ``spans.py`` turns into spans later,
+on another thread.
+
+Threading and clocks
+--------------------
+* Every method of :class:`RequestJourney` runs on the engine-core thread, inside
+  a scheduler call. They do integer copies and one struct allocation at most:
+  no OTel calls, no string formatting, no loops over the batch.
+* ``*_mono_ns`` values are ``time.monotonic_ns()`` of the engine-core process
+  (CLOCK_MONOTONIC, the same clock as vLLM's ``time.monotonic()`` event stamps).
+* ``arrival_time_s`` is vLLM's ``Request.arrival_time``: *wall clock* seconds
+  taken by the API server (``time.time()``). It is never subtracted from a
+  monotonic value; ``spans.py`` converts monotonic values to epoch first.
+
+State machine
+-------------
+QUEUED --scheduled--> RUNNING --preempted--> PREEMPTED --scheduled--> RUNNING ...
+any state --finish--> FINISHED
+
+Orders that async scheduling produces are accepted: a token can arrive for a
+request that was preempted in the meantime (it counts for TTFT but opens no
+decode span, the cycle already ended), a request can finish or be aborted
+between schedule and update, and transitions that make no sense in the current
+state (e.g. a preemption of a queued request) are ignored rather than raised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Final
+
+import msgspec
+
+# Journey states (small ints: compared on the engine thread).
+QUEUED: Final = 0
+RUNNING: Final = 1
+PREEMPTED: Final = 2
+FINISHED: Final = 3
+
+# Finish statuses, as indices into schema.FINISH_STATUSES (kept as ints on the
+# engine thread; spans.py maps them to strings).
+STATUS_STOPPED: Final = 0
+STATUS_LENGTH: Final = 1
+STATUS_ABORTED: Final = 2
+STATUS_IGNORED: Final = 3
+STATUS_ERROR: Final = 4
+
+
+class Snapshot(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Progress of a request at one transition (the end of some span).
+
+    ``t_mono_ns`` is engine monotonic time. ``prefill_done_tokens`` is a high-water
+    mark of prompt tokens computed (or scheduled for computation): it survives
+    preemption, which resets vLLM's own ``num_computed_tokens``.
+    """
+
+    t_mono_ns: int
+    step: int
+    prefill_done_tokens: int
+    decode_done_tokens: int
+    num_preemptions: int
+    # True once the current running cycle produced a token.
+    decoding: bool
+
+
+class Scheduled(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=1):
+    """A running cycle starts (first schedule or resume after preemption)."""
+
+    at: Snapshot
+    resume: bool
+    # Tokens already computed when the cycle started: the prefix-cache hit
+    # (local and external) for a first schedule or a recompute.
+    cached_tokens: int
+
+
+class FirstToken(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=2):
+    """The first token of the current cycle arrived: prefill ends, decode starts."""
+
+    at: Snapshot
+    # Scheduler steps of this cycle that carried prefill tokens.
+    prefill_chunks: int
+
+
+class Preempted(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=3):
+    """The cycle ended by preemption. ``kv_cache_usage`` is 0..1 at that moment."""
+
+    at: Snapshot
+    prefill_chunks: int
+    kv_cache_usage: float
+    num_running: int
+    num_waiting: int
+
+
+Event = Scheduled | FirstToken | Preempted
+
+
+class FinishedJourney(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Everything needed to build a request's spans, recorded on the engine thread.
+
+    Cheap to build (references and ints) and cheap to encode with msgspec, so it
+    can be handed to another thread or process.
+    """
+
+    request_id: str
+    # Wall clock (epoch seconds), from the API server.
+    arrival_time_s: float
+    admitted: Snapshot
+    events: list[Event]
+    end: Snapshot
+    # Prefill chunks of the cycle that was running at the end (0 if none).
+    end_prefill_chunks: int
+    status: int
+    # vLLM's FinishReason string ("stop", "length", "abort", ...).
+    finish_reason: str | None
+    prompt_tokens: int
+    output_tokens: int
+    max_tokens: int | None
+    first_token_mono_ns: int | None
+    last_token_mono_ns: int | None
+    priority: int = 0
+    lora_name: str | None = None
+    trace_headers: dict[str, str] | None = None
+
+
+class RequestJourney:
+    """Mutable per-request state while the request is in flight.
+
+    Owned by the engine-core thread. Lives on the vLLM ``Request`` object, so it
+    dies with it; :meth:`finish` detaches everything a span needs into an
+    immutable :class:`FinishedJourney`.
+    """
+
+    __slots__ = (
+        "admitted",
+        "arrival_time_s",
+        "cycle_out_start",
+        "decoding",
+        "events",
+        "first_token_mono_ns",
+        "last_cycle_step",
+        "lora_name",
+        "max_tokens",
+        "num_preemptions",
+        "prefill_chunks",
+        "prefill_hwm",
+        "prefill_target",
+        "priority",
+        "prompt_tokens",
+        "request_id",
+        "state",
+        "trace_headers",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        arrival_time_s: float,
+        t_mono_ns: int,
+        step: int,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        priority: int = 0,
+        lora_name: str | None = None,
+        trace_headers: Mapping[str, str] | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.arrival_time_s = arrival_time_s
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.priority = priority
+        self.lora_name = lora_name
+        self.trace_headers = trace_headers
+        self.state = QUEUED
+        self.events: list[Event] = []
+        self.num_preemptions = 0
+        self.prefill_hwm = 0
+        self.prefill_chunks = 0
+        self.prefill_target = prompt_tokens
+        self.cycle_out_start = 0
+        self.decoding = False
+        self.first_token_mono_ns: int | None = None
+        self.last_cycle_step = -1
+        self.admitted = Snapshot(t_mono_ns, step, 0, 0, 0, False)
+
+    # -- helpers -----------------------------------------------------------
+    def _snap(self, t_mono_ns: int, step: int, output_tokens: int) -> Snapshot:
+        return Snapshot(
+            t_mono_ns,
+            step,
+            self.prefill_hwm,
+            output_tokens,
+            self.num_preemptions,
+            self.decoding,
+        )
+
+    def _progress(self, computed_tokens: int) -> None:
+        done = computed_tokens if computed_tokens < self.prompt_tokens else self.prompt_tokens
+        if done > self.prefill_hwm:
+            self.prefill_hwm = done
+
+    @property
+    def awaiting_token(self) -> bool:
+        """True while a token is still expected to mark the first one (cycle or request)."""
+        if self.state == RUNNING:
+            return not self.decoding
+        return self.state == PREEMPTED and self.first_token_mono_ns is None
+
+    # -- transitions -------------------------------------------------------
+    def scheduled(
+        self,
+        t_mono_ns: int,
+        step: int,
+        computed_before: int,
+        computed_after: int,
+        num_tokens: int,
+        output_tokens: int,
+    ) -> bool:
+        """A cycle starts: the request was admitted into the running set.
+
+        ``computed_before`` is vLLM's ``num_computed_tokens`` before this step's
+        tokens (the prefix-cache hit), ``computed_after`` after them, and
+        ``num_tokens`` the prompt plus outputs that the cycle must (re)compute.
+        Returns False (and records nothing) if the request is already running,
+        e.g. a streaming-input continuation.
+        """
+        if self.state not in (QUEUED, PREEMPTED):
+            return False
+        resume = self.state == PREEMPTED
+        self.state = RUNNING
+        self.decoding = False
+        self.prefill_chunks = 1
+        self.prefill_target = num_tokens
+        self.cycle_out_start = output_tokens
+        self.last_cycle_step = step
+        self.events.append(
+            Scheduled(self._snap(t_mono_ns, step, output_tokens), resume, computed_before)
+        )
+        self._progress(computed_after)
+        return True
+
+    def stepped(self, step: int, computed_before: int, computed_after: int) -> None:
+        """The running request got tokens in scheduler step ``step`` (prefill progress)."""
+        if self.state != RUNNING or self.decoding or step == self.last_cycle_step:
+            return
+        if computed_before < self.prefill_target:
+            self.prefill_chunks += 1
+        self._progress(computed_after)
+
+    def tokens(self, t_mono_ns: int, step: int, output_tokens: int) -> None:
+        """Model output was processed; ``output_tokens`` is the request's total now."""
+        if self.state == RUNNING:
+            if not self.decoding and output_tokens > self.cycle_out_start:
+                self.prefill_hwm = self.prompt_tokens
+                self.decoding = True
+                if self.first_token_mono_ns is None:
+                    self.first_token_mono_ns = t_mono_ns
+                self.events.append(
+                    FirstToken(self._snap(t_mono_ns, step, output_tokens), self.prefill_chunks)
+                )
+        elif (
+            self.state == PREEMPTED and self.first_token_mono_ns is None and output_tokens > 0
+        ):
+            # Async scheduling: the token of a step that was in flight when the
+            # request was preempted. It is the request's first token (TTFT), but
+            # its cycle is over, so no decode span starts.
+            self.first_token_mono_ns = t_mono_ns
+
+    def preempted(
+        self,
+        t_mono_ns: int,
+        step: int,
+        computed_tokens: int,
+        output_tokens: int,
+        kv_cache_usage: float,
+        num_running: int,
+        num_waiting: int,
+    ) -> None:
+        """The running cycle ends by preemption (``computed_tokens`` read before vLLM resets it)."""
+        if self.state != RUNNING:
+            return
+        self._progress(computed_tokens)
+        self.num_preemptions += 1
+        self.events.append(
+            Preempted(
+                self._snap(t_mono_ns, step, output_tokens),
+                0 if self.decoding else self.prefill_chunks,
+                kv_cache_usage,
+                num_running,
+                num_waiting,
+            )
+        )
+        self.state = PREEMPTED
+        self.decoding = False
+
+    def finish(
+        self,
+        t_mono_ns: int,
+        step: int,
+        status: int,
+        finish_reason: str | None,
+        output_tokens: int,
+        last_token_mono_ns: int | None,
+    ) -> FinishedJourney | None:
+        """The request ended. Returns the immutable record, or None if it already ended."""
+        if self.state == FINISHED:
+            return None
+        end_chunks = self.prefill_chunks if self.state == RUNNING and not self.decoding else 0
+        journey = FinishedJourney(
+            request_id=self.request_id,
+            arrival_time_s=self.arrival_time_s,
+            admitted=self.admitted,
+            events=self.events,
+            end=self._snap(t_mono_ns, step, output_tokens),
+            end_prefill_chunks=end_chunks,
+            status=status,
+            finish_reason=finish_reason,
+            prompt_tokens=self.prompt_tokens,
+            output_tokens=output_tokens,
+            max_tokens=self.max_tokens,
+            first_token_mono_ns=self.first_token_mono_ns,
+            last_token_mono_ns=last_token_mono_ns if output_tokens > 0 else None,
+            priority=self.priority,
+            lora_name=self.lora_name,
+            trace_headers=dict(self.trace_headers) if self.trace_headers else None,
+        )
+        self.state = FINISHED
+        self.events = []
+        return journey

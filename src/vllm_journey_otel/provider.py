@@ -1,0 +1,95 @@
+"""A private OpenTelemetry TracerProvider configured from the standard OTEL_* variables.
+
+Private: never installed as the global provider, since vLLM may have set its own
+(``--otlp-traces-endpoint``) and the two must not fight. Everything the SDK reads
+itself (endpoint, headers, TLS, timeouts, OTEL_BSP_*, OTEL_TRACES_SAMPLER,
+OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES) stays with the SDK; we only choose
+which exporter classes to build, through the SDK's own entry-point registry, so
+``OTEL_TRACES_EXPORTER=otlp|console|none`` and
+``OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL=grpc|http/protobuf`` behave as the SDK's
+auto-configuration documents.
+
+Created in the engine-core process only (after fork or spawn), when the first
+Scheduler is built.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    SimpleSpanProcessor,
+    SpanExporter,
+)
+from opentelemetry.util.types import AttributeValue
+
+from . import schema as S
+from .config import logger
+
+TRACES_EXPORTER = "OTEL_TRACES_EXPORTER"
+SDK_DISABLED = "OTEL_SDK_DISABLED"
+
+
+def sdk_disabled(env: Mapping[str, str] | None = None) -> bool:
+    """True when OTEL_SDK_DISABLED asks for no telemetry at all."""
+    env = os.environ if env is None else env
+    return env.get(SDK_DISABLED, "").strip().lower() == "true"
+
+
+def exporter_names(env: Mapping[str, str] | None = None) -> list[str]:
+    """Entry-point names of the span exporters asked for; ``otlp`` when unset."""
+    env = os.environ if env is None else env
+    raw = env.get(TRACES_EXPORTER, "otlp").strip() or "otlp"
+    if raw.lower() == "none":
+        return []
+    from opentelemetry.sdk._configuration import _get_exporter_entry_point
+
+    return [_get_exporter_entry_point(name.strip(), "traces") for name in raw.split(",")]
+
+
+def build_exporters(env: Mapping[str, str] | None = None) -> list[SpanExporter]:
+    """Instantiate the configured exporters; each reads its own OTEL_* settings."""
+    from opentelemetry.sdk._configuration import _import_exporters
+
+    names = exporter_names(env)
+    classes, _, _ = _import_exporters(names, [], [])
+    return [cls() for cls in classes.values()]
+
+
+def make_resource(attributes: Mapping[str, AttributeValue]) -> Resource:
+    """Our resource attributes, overridden by OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME.
+
+    ``service.name`` defaults to ``vllm`` (not the SDK's ``unknown_service:...``)
+    unless the user named the service.
+    """
+    env_resource = Resource.create({})
+    user = dict(env_resource.attributes)
+    if str(user.get(S.RES_SERVICE_NAME, "")).startswith("unknown_service"):
+        del user[S.RES_SERVICE_NAME]
+    ours = Resource({S.RES_SERVICE_NAME: S.DEFAULT_SERVICE_NAME, **attributes})
+    # In Resource.merge the argument's values win: the user's settings override ours.
+    return ours.merge(Resource(user, env_resource.schema_url))
+
+
+def make_tracer_provider(
+    resource_attributes: Mapping[str, AttributeValue],
+    exporters: Sequence[SpanExporter] | None = None,
+    batch: bool = True,
+) -> TracerProvider:
+    """A private provider exporting through ``exporters`` (default: from OTEL_* env).
+
+    ``batch=False`` uses a SimpleSpanProcessor (tests with an in-memory exporter).
+    """
+    provider = TracerProvider(resource=make_resource(resource_attributes))
+    if exporters is None:
+        exporters = build_exporters()
+        if not exporters:
+            logger.info("%s=none: journeys are recorded but not exported.", TRACES_EXPORTER)
+    for exporter in exporters:
+        processor = BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter)
+        provider.add_span_processor(processor)
+    return provider

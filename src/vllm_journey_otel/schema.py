@@ -1,0 +1,188 @@
+"""The span schema: span names, attribute keys and their enumerated values.
+
+This module is the contract. Dashboards, collector configs, docs/spans.md and the
+tests all read these names from here; nothing else in the package spells an
+attribute key as a literal. Renaming anything here is a breaking change for users'
+queries and dashboards.
+
+Pure data: no imports of vLLM or of OpenTelemetry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+# ---------------------------------------------------------------------------
+# Span names
+# ---------------------------------------------------------------------------
+SPAN_REQUEST: Final = "vllm.request"
+SPAN_QUEUED: Final = "vllm.queued"
+SPAN_SCHEDULED: Final = "vllm.scheduled"
+SPAN_PREFILL: Final = "vllm.prefill"
+SPAN_DECODE: Final = "vllm.decode"
+SPAN_PREEMPTED: Final = "vllm.preempted"
+
+SPAN_NAMES: Final = (
+    SPAN_REQUEST,
+    SPAN_QUEUED,
+    SPAN_SCHEDULED,
+    SPAN_PREFILL,
+    SPAN_DECODE,
+    SPAN_PREEMPTED,
+)
+
+# Instrumentation scope of every span we emit.
+SCOPE_NAME: Final = "vllm_journey_otel"
+
+# ---------------------------------------------------------------------------
+# Attributes on every span below the root (snapshot at the span's end)
+# ---------------------------------------------------------------------------
+PREFILL_DONE_TOKENS: Final = "vllm.journey.prefill_done_tokens"
+PREFILL_TOTAL_TOKENS: Final = "vllm.journey.prefill_total_tokens"
+DECODE_DONE_TOKENS: Final = "vllm.journey.decode_done_tokens"
+DECODE_MAX_TOKENS: Final = "vllm.journey.decode_max_tokens"
+PHASE: Final = "vllm.journey.phase"
+NUM_PREEMPTIONS: Final = "vllm.journey.num_preemptions"
+SCHEDULER_STEP: Final = "vllm.journey.scheduler_step"
+
+# vllm.scheduled only
+SCHEDULE_KIND: Final = "vllm.journey.schedule_kind"
+CYCLE: Final = "vllm.journey.cycle"
+
+# vllm.prefill only
+PREFILL_CHUNKS: Final = "vllm.journey.prefill_chunks"
+CACHED_TOKENS: Final = "vllm.journey.cached_tokens"
+
+# vllm.preempted only
+KV_CACHE_USAGE: Final = "vllm.journey.kv_cache_usage"
+NUM_RUNNING: Final = "vllm.journey.num_running_reqs"
+NUM_WAITING: Final = "vllm.journey.num_waiting_reqs"
+
+# ---------------------------------------------------------------------------
+# Root (vllm.request) attributes
+# ---------------------------------------------------------------------------
+REQUEST_ID: Final = "vllm.request.id"
+GEN_AI_MAX_TOKENS: Final = "gen_ai.request.max_tokens"
+GEN_AI_INPUT_TOKENS: Final = "gen_ai.usage.input_tokens"
+GEN_AI_OUTPUT_TOKENS: Final = "gen_ai.usage.output_tokens"
+GEN_AI_CACHE_READ_TOKENS: Final = "gen_ai.usage.cache_read.input_tokens"
+GEN_AI_FINISH_REASONS: Final = "gen_ai.response.finish_reasons"
+FINISH_STATUS: Final = "vllm.journey.finish_status"
+PRIORITY: Final = "vllm.request.priority"
+LORA_NAME: Final = "vllm.request.lora_name"
+QUEUED_MS: Final = "vllm.journey.queued_ms"
+TTFT_MS: Final = "vllm.journey.ttft_ms"
+PREFILL_MS: Final = "vllm.journey.prefill_ms"
+DECODE_MS: Final = "vllm.journey.decode_ms"
+CLOCK_UNCERTAINTY_US: Final = "vllm.journey.clock_uncertainty_us"
+# NUM_PREEMPTIONS (above) is on the root too.
+
+# ---------------------------------------------------------------------------
+# Resource attributes
+# ---------------------------------------------------------------------------
+RES_SERVICE_NAME: Final = "service.name"
+RES_MODEL: Final = "vllm.model.name"
+RES_DP_RANK: Final = "vllm.data_parallel.rank"
+RES_VLLM_VERSION: Final = "vllm.version"
+RES_PLUGIN_VERSION: Final = "vllm.journey.plugin.version"
+RES_HOST: Final = "host.name"
+RES_PID: Final = "process.pid"
+DEFAULT_SERVICE_NAME: Final = "vllm"
+
+# ---------------------------------------------------------------------------
+# Enumerated values
+# ---------------------------------------------------------------------------
+SCHEDULE_FIRST: Final = "FIRST"
+SCHEDULE_RESUME: Final = "RESUME"
+
+PHASE_PREFILL: Final = "PREFILL"
+PHASE_DECODE: Final = "DECODE"
+
+FINISH_STOPPED: Final = "stopped"
+FINISH_LENGTH: Final = "length"
+FINISH_ABORTED: Final = "aborted"
+FINISH_IGNORED: Final = "ignored"
+FINISH_ERROR: Final = "error"
+FINISH_STATUSES: Final = (
+    FINISH_STOPPED,
+    FINISH_LENGTH,
+    FINISH_ABORTED,
+    FINISH_IGNORED,
+    FINISH_ERROR,
+)
+
+
+@dataclass(frozen=True)
+class AttributeSpec:
+    """One attribute of the schema, as docs/spans.md documents it."""
+
+    key: str
+    spans: tuple[str, ...]
+    type: str
+    meaning: str
+
+
+_BELOW_ROOT = (SPAN_QUEUED, SPAN_SCHEDULED, SPAN_PREFILL, SPAN_DECODE, SPAN_PREEMPTED)
+
+# Every attribute we emit, with where it appears. docs/spans.md is tested against
+# this table (same keys, same spans) so the documentation cannot drift.
+ATTRIBUTES: Final[tuple[AttributeSpec, ...]] = (
+    AttributeSpec(REQUEST_ID, (SPAN_REQUEST,), "string", "vLLM request id"),
+    AttributeSpec(GEN_AI_MAX_TOKENS, (SPAN_REQUEST,), "int", "max_tokens asked for"),
+    AttributeSpec(GEN_AI_INPUT_TOKENS, (SPAN_REQUEST,), "int", "prompt tokens"),
+    AttributeSpec(GEN_AI_OUTPUT_TOKENS, (SPAN_REQUEST,), "int", "generated tokens"),
+    AttributeSpec(
+        GEN_AI_CACHE_READ_TOKENS,
+        (SPAN_REQUEST,),
+        "int",
+        "prompt tokens served from the prefix cache at first schedule; absent if never scheduled",
+    ),
+    AttributeSpec(GEN_AI_FINISH_REASONS, (SPAN_REQUEST,), "string[]", "OpenAI finish reason"),
+    AttributeSpec(FINISH_STATUS, (SPAN_REQUEST,), "string", "stopped|length|aborted|ignored|error"),
+    AttributeSpec(PRIORITY, (SPAN_REQUEST,), "int", "scheduling priority, when not 0"),
+    AttributeSpec(LORA_NAME, (SPAN_REQUEST,), "string", "LoRA adapter name, when set"),
+    AttributeSpec(QUEUED_MS, (SPAN_REQUEST,), "double", "admission to first schedule"),
+    AttributeSpec(TTFT_MS, (SPAN_REQUEST,), "double", "arrival to first token"),
+    AttributeSpec(PREFILL_MS, (SPAN_REQUEST,), "double", "first schedule to first token"),
+    AttributeSpec(DECODE_MS, (SPAN_REQUEST,), "double", "first token to last token"),
+    AttributeSpec(
+        CLOCK_UNCERTAINTY_US, (SPAN_REQUEST,), "double", "half-width of the clock anchor"
+    ),
+    AttributeSpec(
+        NUM_PREEMPTIONS,
+        (SPAN_REQUEST, *_BELOW_ROOT),
+        "int",
+        "preemptions so far",
+    ),
+    AttributeSpec(
+        PREFILL_DONE_TOKENS, _BELOW_ROOT, "int", "prompt tokens computed (high-water mark)"
+    ),
+    AttributeSpec(PREFILL_TOTAL_TOKENS, _BELOW_ROOT, "int", "prompt tokens"),
+    AttributeSpec(DECODE_DONE_TOKENS, _BELOW_ROOT, "int", "tokens generated so far"),
+    AttributeSpec(DECODE_MAX_TOKENS, _BELOW_ROOT, "int", "max_tokens"),
+    AttributeSpec(PHASE, _BELOW_ROOT, "string", "PREFILL|DECODE"),
+    AttributeSpec(SCHEDULER_STEP, _BELOW_ROOT, "int", "plugin's scheduler step counter"),
+    AttributeSpec(SCHEDULE_KIND, (SPAN_SCHEDULED,), "string", "FIRST|RESUME"),
+    AttributeSpec(CYCLE, (SPAN_SCHEDULED,), "int", "0, 1, ... per running cycle"),
+    AttributeSpec(PREFILL_CHUNKS, (SPAN_PREFILL,), "int", "scheduler steps carrying prefill"),
+    AttributeSpec(CACHED_TOKENS, (SPAN_PREFILL,), "int", "tokens already computed at cycle start"),
+    AttributeSpec(KV_CACHE_USAGE, (SPAN_PREEMPTED,), "double", "KV-cache usage 0..1 at preemption"),
+    AttributeSpec(NUM_RUNNING, (SPAN_PREEMPTED,), "int", "running queue length at preemption"),
+    AttributeSpec(NUM_WAITING, (SPAN_PREEMPTED,), "int", "waiting queue length at preemption"),
+)
+
+RESOURCE_ATTRIBUTES: Final = (
+    RES_SERVICE_NAME,
+    RES_MODEL,
+    RES_DP_RANK,
+    RES_VLLM_VERSION,
+    RES_PLUGIN_VERSION,
+    RES_HOST,
+    RES_PID,
+)
+
+
+def attributes_of(span_name: str) -> frozenset[str]:
+    """Keys the schema allows on spans named ``span_name``."""
+    return frozenset(a.key for a in ATTRIBUTES if span_name in a.spans)

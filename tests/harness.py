@@ -1,0 +1,227 @@
+"""Drive a real vLLM v1 Scheduler on the CPU, as vLLM's own tests/v1/core do.
+
+What is real: vLLM's ``Scheduler``/``AsyncScheduler``, its KV-cache manager,
+prefix cache, request queues and ``Request`` objects. What is fabricated, because
+no model runs here: the ``KVCacheConfig`` (a block count instead of GPU memory)
+and the ``ModelRunnerOutput`` of each step (one sampled token per request whose
+prefill is complete, as the GPU model runner would return). The model config is a
+local config.json with no weights (never loaded by the scheduler).
+
+Async scheduling is driven like vLLM's EngineCore batch queue: ``schedule(N+1)``
+runs before ``update_from_output(N)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+
+try:
+    from vllm.utils.hashing import sha256
+except ImportError:  # pragma: no cover - older layouts
+    from vllm.utils import sha256  # type: ignore[no-redef]
+
+BLOCK_SIZE = 16
+EOS = 2
+TOKEN = 7  # what the fabricated model samples, unless told otherwise
+
+_MODEL_DIR: Path | None = None
+_HASH_READY = False
+
+
+def model_dir() -> Path:
+    """A Llama config.json with no weights: enough for ModelConfig."""
+    global _MODEL_DIR
+    if _MODEL_DIR is None:
+        d = Path(tempfile.mkdtemp(prefix="vjo-model-"))
+        (d / "config.json").write_text(
+            json.dumps(
+                {
+                    "architectures": ["LlamaForCausalLM"],
+                    "model_type": "llama",
+                    "hidden_size": 64,
+                    "intermediate_size": 128,
+                    "num_attention_heads": 4,
+                    "num_key_value_heads": 4,
+                    "num_hidden_layers": 2,
+                    "vocab_size": 1024,
+                    "max_position_embeddings": 4096,
+                    "rms_norm_eps": 1e-6,
+                    "torch_dtype": "float32",
+                    "bos_token_id": 1,
+                    "eos_token_id": EOS,
+                }
+            )
+        )
+        _MODEL_DIR = d
+    return _MODEL_DIR
+
+
+class Engine:
+    """A real Scheduler plus a fabricated model runner."""
+
+    def __init__(
+        self,
+        *,
+        async_scheduling: bool = False,
+        num_blocks: int = 1000,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 64,
+        max_model_len: int = 2048,
+        enable_prefix_caching: bool = True,
+        long_prefill_token_threshold: int = 0,
+    ) -> None:
+        global _HASH_READY
+        if not _HASH_READY:
+            init_none_hash(sha256)
+            _HASH_READY = True
+        self._hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
+        sc = SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=True,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+            async_scheduling=async_scheduling,
+            is_encoder_decoder=False,
+        )
+        mc = ModelConfig(
+            model=str(model_dir()), skip_tokenizer_init=True, dtype="float32", seed=0
+        )
+        cc = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching)
+        vc = VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc)
+        kv = KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[
+                KVCacheGroupSpec(
+                    ["layer"],
+                    FullAttentionSpec(
+                        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32
+                    ),
+                )
+            ],
+        )
+        cc.num_gpu_blocks = num_blocks
+        cls = AsyncScheduler if async_scheduling else Scheduler
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        self.scheduler = cls(
+            vllm_config=vc,
+            kv_cache_config=kv,
+            structured_output_manager=StructuredOutputManager(vc),
+            block_size=BLOCK_SIZE,
+            log_stats=True,
+        )
+        self.async_scheduling = async_scheduling
+        # Outputs scheduled but not yet processed (the batch queue).
+        self._in_flight: deque[tuple[Any, dict[str, bool]]] = deque()
+        self.token_for: Callable[[str, int], int] = lambda rid, n: TOKEN
+        self.requests: dict[str, Request] = {}
+
+    # -- requests ------------------------------------------------------------
+    def add(
+        self,
+        rid: str,
+        prompt_len: int = 32,
+        max_tokens: int = 8,
+        *,
+        prompt: list[int] | None = None,
+        stop_token_ids: list[int] | None = None,
+        trace_headers: Mapping[str, str] | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        ignore_eos: bool = True,
+    ) -> Request:
+        tokens = prompt if prompt is not None else [100 + (hash(rid) % 800)] * prompt_len
+        sp = SamplingParams(
+            max_tokens=max_tokens, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos
+        )
+        req = Request(
+            request_id=rid,
+            prompt_token_ids=list(tokens),
+            sampling_params=sp,
+            pooling_params=None,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            priority=priority,
+            trace_headers=trace_headers,
+            block_hasher=self._hasher,
+        )
+        self.requests[rid] = req
+        self.scheduler.add_request(req)
+        return req
+
+    def abort(self, *rids: str) -> None:
+        self.scheduler.finish_requests(list(rids), RequestStatus.FINISHED_ABORTED)
+
+    def shutdown_abort(self) -> None:
+        """What EngineCore does on shutdown: abort everything, then shut down."""
+        self.scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
+        self.scheduler.shutdown()
+
+    # -- steps ---------------------------------------------------------------
+    def schedule(self) -> Any:
+        so = self.scheduler.schedule()
+        # Decided at schedule time, as the model runner does: a request whose
+        # scheduled tokens complete its prompt samples a token this step.
+        sample = {
+            rid: not self.scheduler.requests[rid].is_prefill_chunk
+            for rid in so.num_scheduled_tokens
+        }
+        self._in_flight.append((so, sample))
+        return so
+
+    def update(self) -> dict[int, Any]:
+        so, sample = self._in_flight.popleft()
+        ids = list(so.num_scheduled_tokens)
+        sampled = []
+        for rid in ids:
+            req = self.requests.get(rid)
+            n = req.num_output_tokens if req is not None else 0
+            sampled.append([self.token_for(rid, n)] if sample[rid] else [])
+        mro = ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={rid: i for i, rid in enumerate(ids)},
+            sampled_token_ids=sampled,
+        )
+        return self.scheduler.update_from_output(so, mro)  # type: ignore[no-any-return]
+
+    def step(self) -> Any:
+        """One engine step: sync = schedule then update; async = schedule N+1, update N."""
+        so = self.schedule()
+        if not self.async_scheduling or len(self._in_flight) > 1 or not so.num_scheduled_tokens:
+            self.update()
+        return so
+
+    def drain_in_flight(self) -> None:
+        while self._in_flight:
+            self.update()
+
+    def run(self, max_steps: int = 10_000) -> int:
+        """Step until no request is left; returns the number of steps."""
+        for i in range(max_steps):
+            if not self.scheduler.requests and not self._in_flight:
+                return i
+            self.step()
+        raise AssertionError(f"requests still unfinished after {max_steps} steps")
+
+
+def use_v2_runner(enabled: bool) -> None:
+    """Select the V2 model runner's scheduler-output layout (0.33's GPU default)."""
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if enabled else "0"
