@@ -14,7 +14,6 @@ runs before ``update_from_output(N)``.
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 import time
 from collections import deque
@@ -86,6 +85,7 @@ class Engine:
         max_model_len: int = 2048,
         enable_prefix_caching: bool = True,
         long_prefill_token_threshold: int = 0,
+        v2_runner_layout: bool = False,
     ) -> None:
         global _HASH_READY
         if not _HASH_READY:
@@ -129,11 +129,19 @@ class Engine:
             block_size=BLOCK_SIZE,
             log_stats=True,
         )
+        if v2_runner_layout:
+            # The V2 model runner (0.33's GPU default) needs Triton and cannot be
+            # selected on this CPU; its scheduler-side effect is this flag, which
+            # makes schedule() list resumed requests in scheduled_new_reqs.
+            self.scheduler.use_v2_model_runner = True
         self.async_scheduling = async_scheduling
         # Outputs scheduled but not yet processed (the batch queue).
         self._in_flight: deque[tuple[Any, dict[str, bool]]] = deque()
         self.token_for: Callable[[str, int], int] = lambda rid, n: TOKEN
         self.requests: dict[str, Request] = {}
+        self.prefill_stats: dict[str, Any] = {}
+        # request id -> token ids delivered to the client, in order
+        self.outputs: dict[str, list[int]] = {}
 
     # -- requests ------------------------------------------------------------
     def add(
@@ -200,7 +208,15 @@ class Engine:
             req_id_to_index={rid: i for i, rid in enumerate(ids)},
             sampled_token_ids=sampled,
         )
-        return self.scheduler.update_from_output(so, mro)  # type: ignore[no-any-return]
+        outputs = self.scheduler.update_from_output(so, mro)
+        for eco in outputs.values():
+            for out in eco.outputs:
+                # vLLM's own prompt-cache accounting (what becomes the OpenAI
+                # usage.prompt_tokens_details.cached_tokens).
+                if getattr(out, "prefill_stats", None) is not None:
+                    self.prefill_stats[out.request_id] = out.prefill_stats
+                self.outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        return outputs
 
     def step(self) -> Any:
         """One engine step: sync = schedule then update; async = schedule N+1, update N."""
@@ -216,12 +232,8 @@ class Engine:
     def run(self, max_steps: int = 10_000) -> int:
         """Step until no request is left; returns the number of steps."""
         for i in range(max_steps):
-            if not self.scheduler.requests and not self._in_flight:
+            if not self.scheduler.requests:
+                self.drain_in_flight()
                 return i
             self.step()
         raise AssertionError(f"requests still unfinished after {max_steps} steps")
-
-
-def use_v2_runner(enabled: bool) -> None:
-    """Select the V2 model runner's scheduler-output layout (0.33's GPU default)."""
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if enabled else "0"

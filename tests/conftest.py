@@ -1,0 +1,59 @@
+"""Shared fixtures. Tests that need vLLM import it through tests/harness.py."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+requires_vllm = pytest.mark.skipif(
+    not vllm_available() and os.environ.get("VJO_REQUIRE_VLLM") != "1",
+    reason="vLLM is not installed",
+)
+
+
+class Tracing:
+    """The plugin installed in this process with an in-memory exporter."""
+
+    def __init__(self, exporter: InMemorySpanExporter) -> None:
+        self.exporter = exporter
+
+    def spans(self):  # type: ignore[no-untyped-def]
+        from vllm_journey_otel import hooks
+
+        assert hooks.flush(10.0)
+        return self.exporter.get_finished_spans()
+
+    def journeys(self):  # type: ignore[no-untyped-def]
+        import trees
+
+        return trees.journeys(self.spans())
+
+
+@pytest.fixture
+def tracing() -> Iterator[Tracing]:
+    from vllm_journey_otel import hooks
+    from vllm_journey_otel.config import Config
+
+    exporter = InMemorySpanExporter()
+    assert hooks.install(Config(enabled=True), exporters=[exporter], batch=False)
+    try:
+        yield Tracing(exporter)
+    finally:
+        hooks.uninstall()

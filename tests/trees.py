@@ -1,0 +1,125 @@
+"""Reassemble exported spans into journey trees and check the schema's invariants."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from opentelemetry.sdk.trace import ReadableSpan
+
+from vllm_journey_otel import schema as S
+
+PHASES_OF = {S.SPAN_SCHEDULED: (S.SPAN_PREFILL, S.SPAN_DECODE)}
+
+
+@dataclass
+class Node:
+    span: ReadableSpan
+    children: list[Node] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.span.name
+
+    @property
+    def attrs(self) -> dict[str, object]:
+        return dict(self.span.attributes or {})
+
+    @property
+    def start(self) -> int:
+        assert self.span.start_time is not None
+        return self.span.start_time
+
+    @property
+    def end(self) -> int:
+        assert self.span.end_time is not None
+        return self.span.end_time
+
+    def shape(self) -> tuple[object, ...]:
+        """The tree as nested tuples of span names, children in time order."""
+        if not self.children:
+            return (self.name,)
+        return (self.name, tuple(c.shape() for c in self.children))
+
+    def kids(self, name: str) -> list[Node]:
+        return [c for c in self.children if c.name == name]
+
+
+def journeys(spans: Iterable[ReadableSpan]) -> dict[str, Node]:
+    """request id -> root node, children sorted by start time."""
+    spans = list(spans)
+    by_id = {s.context.span_id: Node(s) for s in spans}
+    roots: dict[str, Node] = {}
+    for node in by_id.values():
+        parent = node.span.parent
+        if node.name == S.SPAN_REQUEST:
+            roots[str(node.attrs[S.REQUEST_ID])] = node
+        else:
+            assert parent is not None, f"{node.name} has no parent"
+            by_id[parent.span_id].children.append(node)
+    for node in by_id.values():
+        node.children.sort(key=lambda n: (n.start, n.end))
+    return roots
+
+
+def expected_shape(*cycles: str, preempted_at_end: bool = False) -> tuple[object, ...]:
+    """Shape of a journey from its cycles: "PD" = prefill+decode, "P" = prefill only.
+
+    Cycles after the first are preceded by a preemption.
+    """
+    kids: list[tuple[object, ...]] = [(S.SPAN_QUEUED,)]
+    for i, c in enumerate(cycles):
+        if i:
+            kids.append((S.SPAN_PREEMPTED,))
+        phases = [(S.SPAN_PREFILL,)] + ([(S.SPAN_DECODE,)] if c == "PD" else [])
+        kids.append((S.SPAN_SCHEDULED, tuple(phases)))
+    if preempted_at_end:
+        kids.append((S.SPAN_PREEMPTED,))
+    return (S.SPAN_REQUEST, tuple(kids))
+
+
+def check_invariants(root: Node) -> None:
+    """The rules of docs/spans.md: tiling, nesting, attribute keys, root kind."""
+    assert root.span.kind.name == "SERVER"
+    assert root.start <= root.end
+    kids = root.children
+    assert kids and kids[0].name == S.SPAN_QUEUED, root.shape()
+    # Queued, scheduled and preempted tile the root from admission to the end.
+    for a, b in zip(kids, kids[1:]):
+        assert a.end == b.start, (a.name, b.name, a.end, b.start)
+    assert kids[-1].end == root.end
+    assert root.start <= kids[0].start
+    names = [k.name for k in kids]
+    assert set(names) <= {S.SPAN_QUEUED, S.SPAN_SCHEDULED, S.SPAN_PREEMPTED}
+    # scheduled and preempted alternate after queued
+    for a, b in zip(names[1:], names[2:]):
+        assert a != b, names
+    cycle = 0
+    for k in kids:
+        assert root.start <= k.start <= k.end <= root.end
+        allowed = S.attributes_of(k.name)
+        assert set(k.attrs) <= allowed, set(k.attrs) - allowed
+        for key in (S.PREFILL_DONE_TOKENS, S.DECODE_DONE_TOKENS, S.PHASE, S.SCHEDULER_STEP):
+            assert key in k.attrs, (k.name, key)
+        if k.name == S.SPAN_SCHEDULED:
+            assert k.attrs[S.CYCLE] == cycle
+            assert k.attrs[S.SCHEDULE_KIND] == (S.SCHEDULE_FIRST if cycle == 0 else S.SCHEDULE_RESUME)
+            cycle += 1
+            phases = k.children
+            assert [p.name for p in phases] in (
+                [S.SPAN_PREFILL],
+                [S.SPAN_PREFILL, S.SPAN_DECODE],
+            ), [p.name for p in phases]
+            assert phases[0].start == k.start
+            assert phases[-1].end == k.end
+            for a, b in zip(phases, phases[1:]):
+                assert a.end == b.start
+            for p in phases:
+                assert set(p.attrs) <= S.attributes_of(p.name)
+                assert k.start <= p.start <= p.end <= k.end
+            assert S.PREFILL_CHUNKS in phases[0].attrs and S.CACHED_TOKENS in phases[0].attrs
+        else:
+            assert not k.children
+    root_allowed = S.attributes_of(S.SPAN_REQUEST)
+    assert set(root.attrs) <= root_allowed, set(root.attrs) - root_allowed
+    assert root.attrs[S.NUM_PREEMPTIONS] == len(root.kids(S.SPAN_PREEMPTED))
