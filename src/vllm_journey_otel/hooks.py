@@ -32,6 +32,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -90,6 +91,8 @@ class _State:
         self.exporters: Sequence[SpanExporter] | None = None
         self.batch = True
         self.failed = False
+        # Every live tracker, so a failure can drop their state at once.
+        self.trackers: weakref.WeakSet[SchedulerTracker] = weakref.WeakSet()
 
 
 _STATE = _State()
@@ -106,6 +109,8 @@ def _fail(where: str) -> None:
             exc_info=True,
         )
     _STATE.enabled = False
+    for tracker in list(_STATE.trackers):
+        tracker.awaiting.clear()
 
 
 # ---------------------------------------------------------------------------
@@ -179,6 +184,7 @@ class SchedulerTracker:
         "status_map",
         "step",
         "update_mono_ns",
+        "__weakref__",
     )
 
     def __init__(self, scheduler: Any, pipeline: JourneyPipeline, hook_preempt: bool) -> None:
@@ -349,7 +355,9 @@ def _wrap_init(orig: Callable[..., Any]) -> Callable[..., Any]:
         try:
             support = _STATE.support
             hook_preempt = support.hook_preempt if support is not None else True
-            self.__dict__[TRACKER_ATTR] = SchedulerTracker(self, _pipeline_for(self), hook_preempt)
+            tracker = SchedulerTracker(self, _pipeline_for(self), hook_preempt)
+            _STATE.trackers.add(tracker)
+            self.__dict__[TRACKER_ATTR] = tracker
         except Exception:
             _fail("Scheduler.__init__")
 

@@ -1,0 +1,127 @@
+"""A real OTLP trace receiver for tests, gRPC and HTTP, on 127.0.0.1.
+
+Built on opentelemetry-proto's generated service and messages, so tests can
+assert on exactly what went over the wire (resource attributes, span kinds,
+parent ids, timestamps).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
+
+def value(v: AnyValue) -> object:
+    kind = v.WhichOneof("value")
+    if kind == "array_value":
+        return tuple(value(x) for x in v.array_value.values)
+    return getattr(v, kind) if kind else None
+
+
+@dataclass
+class ReceivedSpan:
+    span: Span
+    resource: dict[str, object]
+
+    @property
+    def name(self) -> str:
+        return self.span.name
+
+    @property
+    def attrs(self) -> dict[str, object]:
+        return {kv.key: value(kv.value) for kv in self.span.attributes}
+
+
+class Receiver:
+    """Collects ExportTraceServiceRequests from either transport."""
+
+    def __init__(self) -> None:
+        self.requests: list[trace_service_pb2.ExportTraceServiceRequest] = []
+        self.lock = threading.Lock()
+        self.grpc_port = 0
+        self.http_port = 0
+        self._grpc: grpc.Server | None = None
+        self._http: ThreadingHTTPServer | None = None
+
+    def add(self, req: trace_service_pb2.ExportTraceServiceRequest) -> None:
+        with self.lock:
+            self.requests.append(req)
+
+    def spans(self) -> list[ReceivedSpan]:
+        out = []
+        with self.lock:
+            for req in self.requests:
+                for rs in req.resource_spans:
+                    res = {kv.key: value(kv.value) for kv in rs.resource.attributes}
+                    for ss in rs.scope_spans:
+                        out.extend(ReceivedSpan(s, res) for s in ss.spans)
+        return out
+
+    def start_grpc(self) -> int:
+        receiver = self
+
+        class Service(trace_service_pb2_grpc.TraceServiceServicer):
+            def Export(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
+                receiver.add(request)
+                return trace_service_pb2.ExportTraceServiceResponse()
+
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), server)
+        self.grpc_port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        self._grpc = server
+        return self.grpc_port
+
+    def start_http(self) -> int:
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                if self.path != "/v1/traces":
+                    self.send_response(404)
+                    self.end_headers()
+                    return
+                req = trace_service_pb2.ExportTraceServiceRequest()
+                req.ParseFromString(body)
+                receiver.add(req)
+                payload = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.http_port = server.server_address[1]
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        self._http = server
+        return self.http_port
+
+    def stop(self) -> None:
+        if self._grpc is not None:
+            self._grpc.stop(grace=None)
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+
+
+def running_receiver() -> Iterator[Receiver]:
+    r = Receiver()
+    r.start_grpc()
+    r.start_http()
+    try:
+        yield r
+    finally:
+        r.stop()

@@ -1,0 +1,132 @@
+"""Export over real OTLP (gRPC and HTTP/protobuf), configured only by OTEL_* variables."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+from conftest import requires_vllm
+from otlp_receiver import Receiver, running_receiver
+
+from vllm_journey_otel import __version__, hooks
+from vllm_journey_otel import schema as S
+from vllm_journey_otel.config import Config
+from vllm_journey_otel.provider import exporter_names
+
+pytestmark = requires_vllm
+harness = pytest.importorskip("harness")
+
+
+@pytest.fixture
+def receiver():  # type: ignore[no-untyped-def]
+    yield from running_receiver()
+
+
+@pytest.fixture(autouse=True)
+def _clean_otel_env(monkeypatch):  # type: ignore[no-untyped-def]
+    for key in list(os.environ):
+        if key.startswith("OTEL_"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+
+
+def _run_and_shutdown() -> None:
+    e = harness.Engine(max_num_batched_tokens=64)
+    e.add("p1", prompt_len=100, max_tokens=4)
+    e.add("p2", prompt_len=10, max_tokens=2)
+    e.run()
+    # EngineCore.shutdown -> Scheduler.shutdown: the hook flushes with a deadline.
+    e.scheduler.shutdown()
+
+
+def _check_received(receiver: Receiver) -> None:
+    spans = receiver.spans()
+    roots = [s for s in spans if s.name == S.SPAN_REQUEST]
+    assert sorted(r.attrs[S.REQUEST_ID] for r in roots) == ["p1", "p2"]
+    # p1: queued, scheduled, prefill, decode under the root; p2 the same.
+    assert len(spans) == 10
+    by_id = {s.span.span_id: s for s in spans}
+    for s in spans:
+        if s.name == S.SPAN_REQUEST:
+            assert s.span.kind == s.span.SPAN_KIND_SERVER
+            assert s.span.parent_span_id == b""
+        else:
+            parent = by_id[s.span.parent_span_id]
+            assert parent.span.trace_id == s.span.trace_id
+            assert parent.span.start_time_unix_nano <= s.span.start_time_unix_nano
+            assert s.span.end_time_unix_nano <= parent.span.end_time_unix_nano
+    res = spans[0].resource
+    assert res[S.RES_MODEL] == str(harness.model_dir())
+    assert res[S.RES_PLUGIN_VERSION] == __version__
+    assert res[S.RES_HOST] == socket.gethostname()
+    assert res[S.RES_PID] == os.getpid()
+    assert res[S.RES_DP_RANK] == 0
+    import vllm
+
+    assert res[S.RES_VLLM_VERSION] == vllm.__version__
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_otlp_protocols(receiver, monkeypatch, protocol: str) -> None:  # type: ignore[no-untyped-def]
+    if protocol == "grpc":
+        endpoint = f"http://127.0.0.1:{receiver.grpc_port}"
+    else:
+        endpoint = f"http://127.0.0.1:{receiver.http_port}/v1/traces"
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", protocol)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", endpoint)
+    assert hooks.install(Config(enabled=True))
+    try:
+        _run_and_shutdown()
+        _check_received(receiver)
+        assert receiver.spans()[0].resource[S.RES_SERVICE_NAME] == S.DEFAULT_SERVICE_NAME
+    finally:
+        hooks.uninstall()
+
+
+def test_generic_protocol_and_service_name(receiver, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{receiver.http_port}")
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "llama-prod")
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=staging,vllm.data_parallel.rank=3")
+    assert hooks.install(Config(enabled=True))
+    try:
+        _run_and_shutdown()
+        res = receiver.spans()[0].resource
+        assert res[S.RES_SERVICE_NAME] == "llama-prod"
+        assert res["deployment.environment"] == "staging"
+        # What the user set explicitly wins over what we detect.
+        assert res[S.RES_DP_RANK] == "3"
+    finally:
+        hooks.uninstall()
+
+
+def test_exporter_selection_follows_sdk_names(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    assert exporter_names({}) == ["otlp_proto_grpc"]
+    assert exporter_names({"OTEL_TRACES_EXPORTER": "none"}) == []
+    assert exporter_names({"OTEL_TRACES_EXPORTER": "console"}) == ["console"]
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+    assert exporter_names({}) == ["otlp_proto_http"]
+
+
+def test_console_exporter() -> None:
+    """OTEL_TRACES_EXPORTER=console prints the spans (in a child process: stdout is real)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys; sys.path.insert(0, %r)\n"
+        "from vllm_journey_otel import hooks\n"
+        "from vllm_journey_otel.config import Config\n"
+        "assert hooks.install(Config(enabled=True))\n"
+        "import harness\n"
+        "e = harness.Engine(); e.add('c1'); e.add('c2'); e.run(); e.scheduler.shutdown()\n"
+    ) % str(Path(__file__).parent)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env["OTEL_TRACES_EXPORTER"] = "console"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count('"name": "vllm.request"') == 2

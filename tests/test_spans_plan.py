@@ -1,0 +1,181 @@
+"""The journey model and span plan, pure: no vLLM, no exporter.
+
+Journeys are driven through RequestJourney's transitions with chosen monotonic
+stamps, so the expected epoch times are exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from vllm_journey_otel import schema as S
+from vllm_journey_otel.journey import (
+    STATUS_ABORTED,
+    STATUS_ERROR,
+    STATUS_LENGTH,
+    FinishedJourney,
+    RequestJourney,
+)
+from vllm_journey_otel.spans import emit_spans, parent_context, plan_spans
+
+MS = 1_000_000
+OFFSET = 1_700_000_000_000_000_000  # epoch ns at mono 0
+
+
+def _journey(arrival_ms: float = 0.0) -> RequestJourney:
+    arrival_s = (OFFSET + arrival_ms * MS) / 1e9 if arrival_ms >= 0 else 0.0
+    return RequestJourney("r", arrival_s, 10 * MS, 0, prompt_tokens=100, max_tokens=8)
+
+
+def _by_name(plan, name):  # type: ignore[no-untyped-def]
+    return [p for p in plan if p.name == name]
+
+
+def test_plain_plan_times_and_intervals() -> None:
+    j = _journey(arrival_ms=5)
+    j.scheduled(20 * MS, 1, 0, 100, 100, 0)
+    j.tokens(30 * MS, 1, 1)
+    j.tokens(40 * MS, 2, 2)
+    fj = j.finish(50 * MS, 8, STATUS_LENGTH, "length", 8, 50 * MS)
+    assert fj is not None
+    plan = plan_spans(fj, OFFSET, uncertainty_ns=1500)
+    root, queued, cycle, prefill, decode = plan
+    assert (root.name, queued.name, cycle.name, prefill.name, decode.name) == (
+        S.SPAN_REQUEST, S.SPAN_QUEUED, S.SPAN_SCHEDULED, S.SPAN_PREFILL, S.SPAN_DECODE)
+    # arrival, wall clock; vLLM keeps it as float seconds (sub-microsecond precision)
+    assert abs(root.start_unix_ns - (OFFSET + 5 * MS)) < 1000
+    assert (queued.start_unix_ns, queued.end_unix_ns) == (OFFSET + 10 * MS, OFFSET + 20 * MS)
+    assert (prefill.start_unix_ns, prefill.end_unix_ns) == (OFFSET + 20 * MS, OFFSET + 30 * MS)
+    assert (decode.start_unix_ns, decode.end_unix_ns) == (OFFSET + 30 * MS, OFFSET + 50 * MS)
+    assert cycle.end_unix_ns == root.end_unix_ns == OFFSET + 50 * MS
+    a = root.attributes
+    assert a[S.QUEUED_MS] == pytest.approx(10.0)
+    assert a[S.PREFILL_MS] == pytest.approx(10.0)
+    assert a[S.TTFT_MS] == pytest.approx(25.0, abs=1e-3)  # arrival (5 ms) to first token (30 ms)
+    assert a[S.DECODE_MS] == pytest.approx(20.0)
+    assert a[S.CLOCK_UNCERTAINTY_US] == pytest.approx(1.5)
+    assert prefill.parent == decode.parent == plan.index(cycle)
+    assert queued.parent == cycle.parent == 0 and root.parent is None
+
+
+def test_arrival_later_than_admission_is_clamped() -> None:
+    """The API server's wall clock may run ahead of our anchor: never start after a child."""
+    j = _journey(arrival_ms=15)  # "arrived" 5 ms after admission at 10 ms
+    j.scheduled(20 * MS, 1, 0, 100, 100, 0)
+    fj = j.finish(25 * MS, 1, STATUS_ABORTED, "abort", 0, None)
+    assert fj is not None
+    plan = plan_spans(fj, OFFSET)
+    assert plan[0].start_unix_ns == plan[1].start_unix_ns == OFFSET + 10 * MS
+    assert plan[0].attributes[S.QUEUED_MS] == pytest.approx(10.0)
+    assert S.TTFT_MS not in plan[0].attributes
+
+
+def test_missing_arrival_uses_admission() -> None:
+    j = _journey(arrival_ms=-1)
+    fj = j.finish(12 * MS, 0, STATUS_ABORTED, "abort", 0, None)
+    assert fj is not None
+    plan = plan_spans(fj, OFFSET)
+    assert [p.name for p in plan] == [S.SPAN_REQUEST, S.SPAN_QUEUED]
+    assert plan[0].start_unix_ns == OFFSET + 10 * MS
+
+
+def test_preemption_plan() -> None:
+    j = _journey()
+    j.scheduled(20 * MS, 1, 0, 50, 100, 0)
+    j.stepped(2, 50, 100)
+    j.tokens(30 * MS, 2, 1)
+    j.preempted(40 * MS, 4, 103, 3, 0.97, 5, 7)
+    j.scheduled(60 * MS, 9, 64, 96, 103, 3)  # 64 tokens back from the prefix cache
+    j.stepped(10, 96, 103)
+    j.tokens(70 * MS, 10, 4)
+    fj = j.finish(80 * MS, 12, STATUS_LENGTH, "length", 8, 80 * MS)
+    assert fj is not None
+    plan = plan_spans(fj, OFFSET)
+    names = [p.name for p in plan]
+    assert names == [S.SPAN_REQUEST, S.SPAN_QUEUED, S.SPAN_SCHEDULED, S.SPAN_PREFILL,
+                     S.SPAN_DECODE, S.SPAN_PREEMPTED, S.SPAN_SCHEDULED, S.SPAN_PREFILL,
+                     S.SPAN_DECODE]
+    c0, p0, d0, pre, c1, p1, d1 = plan[2:]
+    assert p0.attributes[S.PREFILL_CHUNKS] == 2
+    assert d0.end_unix_ns == c0.end_unix_ns == pre.start_unix_ns == OFFSET + 40 * MS
+    assert pre.end_unix_ns == c1.start_unix_ns == OFFSET + 60 * MS
+    assert pre.attributes[S.KV_CACHE_USAGE] == pytest.approx(0.97)
+    assert pre.attributes[S.NUM_RUNNING] == 5 and pre.attributes[S.NUM_WAITING] == 7
+    assert pre.attributes[S.NUM_PREEMPTIONS] == 1
+    assert c0.attributes[S.NUM_PREEMPTIONS] == 1
+    assert c1.attributes[S.SCHEDULE_KIND] == S.SCHEDULE_RESUME and c1.attributes[S.CYCLE] == 1
+    assert p1.attributes[S.CACHED_TOKENS] == 64  # recompute partly from prefix cache
+    assert p1.attributes[S.PREFILL_CHUNKS] == 2
+    assert p1.attributes[S.PREFILL_DONE_TOKENS] == 100
+    # Request-level intervals use the first cycle (vLLM's FinishedRequestStats).
+    assert plan[0].attributes[S.PREFILL_MS] == pytest.approx(10.0)
+    assert plan[0].attributes[S.NUM_PREEMPTIONS] == 1
+
+
+def test_preempted_before_first_token_then_token_in_flight() -> None:
+    j = _journey()
+    j.scheduled(20 * MS, 1, 0, 100, 100, 0)
+    j.preempted(25 * MS, 2, 100, 0, 1.0, 1, 0)
+    assert j.awaiting_token
+    j.tokens(27 * MS, 2, 1)  # the step in flight delivers the first token
+    assert not j.awaiting_token
+    j.scheduled(40 * MS, 5, 0, 101, 101, 1)
+    j.tokens(50 * MS, 5, 2)
+    fj = j.finish(60 * MS, 7, STATUS_LENGTH, "length", 8, 60 * MS)
+    assert fj is not None
+    plan = plan_spans(fj, OFFSET)
+    cycles = [i for i, p in enumerate(plan) if p.name == S.SPAN_SCHEDULED]
+    first_kids = [p.name for p in plan if p.parent == cycles[0]]
+    assert first_kids == [S.SPAN_PREFILL]
+    assert plan[0].attributes[S.TTFT_MS] == pytest.approx(27.0, abs=1e-3)  # arrival(0) -> 27
+
+
+def test_transitions_out_of_order_are_ignored() -> None:
+    j = _journey()
+    j.preempted(11 * MS, 0, 0, 0, 0.5, 0, 0)  # queued: nothing to preempt
+    j.tokens(12 * MS, 0, 1)  # queued: no cycle
+    j.stepped(0, 0, 10)
+    assert j.events == [] and j.num_preemptions == 0
+    j.scheduled(20 * MS, 1, 0, 10, 100, 0)
+    assert not j.scheduled(21 * MS, 2, 0, 10, 100, 0)  # already running
+    fj = j.finish(30 * MS, 3, STATUS_ABORTED, "abort", 0, None)
+    assert fj is not None
+    assert j.finish(31 * MS, 3, STATUS_ABORTED, "abort", 0, None) is None
+
+
+def test_error_status_and_trace_parent() -> None:
+    j = RequestJourney(
+        "e", 0.0, 10 * MS, 0, 4, 4,
+        trace_headers={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
+    )
+    j.scheduled(20 * MS, 1, 0, 4, 4, 0)
+    fj = j.finish(30 * MS, 1, STATUS_ERROR, "error", 0, None)
+    assert fj is not None
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    emit_spans(plan_spans(fj, OFFSET), provider.get_tracer("t"), parent_context(fj.trace_headers))
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    root = spans[S.SPAN_REQUEST]
+    assert root.status.status_code.name == "ERROR"
+    assert root.attributes[S.FINISH_STATUS] == S.FINISH_ERROR
+    assert root.context.trace_id == 0x0AF7651916CD43DD8448EB211C80319C
+    assert spans[S.SPAN_PREFILL].parent.span_id == spans[S.SPAN_SCHEDULED].context.span_id
+    assert root.start_time == OFFSET + 10 * MS and root.end_time == OFFSET + 30 * MS
+
+
+def test_finished_journey_roundtrips_through_msgspec() -> None:
+    import msgspec
+
+    j = _journey()
+    j.scheduled(20 * MS, 1, 0, 100, 100, 0)
+    j.tokens(30 * MS, 1, 1)
+    j.preempted(40 * MS, 2, 101, 1, 0.9, 1, 2)
+    fj = j.finish(45 * MS, 2, STATUS_ABORTED, "abort", 1, None)
+    raw = msgspec.msgpack.encode(fj)
+    back = msgspec.msgpack.decode(raw, type=FinishedJourney)
+    assert back == fj
+    assert plan_spans(back, OFFSET) == plan_spans(fj, OFFSET)
