@@ -101,9 +101,7 @@ class Engine:
             async_scheduling=async_scheduling,
             is_encoder_decoder=False,
         )
-        mc = ModelConfig(
-            model=str(model_dir()), skip_tokenizer_init=True, dtype="float32", seed=0
-        )
+        mc = ModelConfig(model=str(model_dir()), skip_tokenizer_init=True, dtype="float32", seed=0)
         cc = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching)
         vc = VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc)
         kv = KVCacheConfig(

@@ -69,7 +69,7 @@ class Receiver:
         receiver = self
 
         class Service(trace_service_pb2_grpc.TraceServiceServicer):
-            def Export(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
+            def Export(self, request, context):  # type: ignore[no-untyped-def]
                 receiver.add(request)
                 return trace_service_pb2.ExportTraceServiceResponse()
 
@@ -84,7 +84,7 @@ class Receiver:
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
                 if self.path != "/v1/traces":
                     self.send_response(404)

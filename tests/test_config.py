@@ -47,13 +47,20 @@ def test_bad_numbers_warn_and_use_default(name: str, raw: str, caplog) -> None:
     assert cfg.enabled
     default = config.Config()
     assert (cfg.queue_size, cfg.export_interval_ms, cfg.shutdown_timeout_s) == (
-        default.queue_size, default.export_interval_ms, default.shutdown_timeout_s)
+        default.queue_size,
+        default.export_interval_ms,
+        default.shutdown_timeout_s,
+    )
     assert name in caplog.text and "using the default" in caplog.text
 
 
 def test_good_numbers() -> None:
-    cfg = config.from_env({
-        config.ENABLE: "1", config.QUEUE_SIZE: "100", config.EXPORT_INTERVAL_MS: "20",
-        config.SHUTDOWN_TIMEOUT_S: "1.5",
-    })
+    cfg = config.from_env(
+        {
+            config.ENABLE: "1",
+            config.QUEUE_SIZE: "100",
+            config.EXPORT_INTERVAL_MS: "20",
+            config.SHUTDOWN_TIMEOUT_S: "1.5",
+        }
+    )
     assert (cfg.queue_size, cfg.export_interval_ms, cfg.shutdown_timeout_s) == (100, 20, 1.5)

@@ -6,16 +6,16 @@ import os
 import socket
 
 import pytest
-from conftest import requires_vllm
-from otlp_receiver import Receiver, running_receiver
 
+from conftest import import_harness, requires_vllm
+from otlp_receiver import Receiver, running_receiver
 from vllm_journey_otel import __version__, hooks
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.config import Config
 from vllm_journey_otel.provider import exporter_names
 
 pytestmark = requires_vllm
-harness = pytest.importorskip("harness")
+harness = import_harness()
 
 
 @pytest.fixture
@@ -88,7 +88,9 @@ def test_generic_protocol_and_service_name(receiver, monkeypatch) -> None:  # ty
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{receiver.http_port}")
     monkeypatch.setenv("OTEL_SERVICE_NAME", "llama-prod")
-    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=staging,vllm.data_parallel.rank=3")
+    monkeypatch.setenv(
+        "OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=staging,vllm.data_parallel.rank=3"
+    )
     assert hooks.install(Config(enabled=True))
     try:
         _run_and_shutdown()
@@ -116,13 +118,13 @@ def test_console_exporter() -> None:
     from pathlib import Path
 
     code = (
-        "import sys; sys.path.insert(0, %r)\n"
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         "from vllm_journey_otel import hooks\n"
         "from vllm_journey_otel.config import Config\n"
         "assert hooks.install(Config(enabled=True))\n"
         "import harness\n"
         "e = harness.Engine(); e.add('c1'); e.add('c2'); e.run(); e.scheduler.shutdown()\n"
-    ) % str(Path(__file__).parent)
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env["OTEL_TRACES_EXPORTER"] = "console"
     out = subprocess.run(

@@ -9,18 +9,25 @@ import sys
 import textwrap
 
 import pytest
-from conftest import requires_vllm
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from conftest import import_harness, requires_vllm
 from vllm_journey_otel import hooks
 from vllm_journey_otel.compat import REQUIRED_METHODS, check
 from vllm_journey_otel.config import Config
 
 pytestmark = requires_vllm
-harness = pytest.importorskip("harness")
+harness = import_harness()
 
-HOOKED = ("__init__", "add_request", "schedule", "_preempt_request", "update_from_output",
-          "_free_request", "shutdown")
+HOOKED = (
+    "__init__",
+    "add_request",
+    "schedule",
+    "_preempt_request",
+    "update_from_output",
+    "_free_request",
+    "shutdown",
+)
 
 
 def _scheduler_methods() -> dict[str, object]:
@@ -47,16 +54,18 @@ def _workload(engine) -> tuple[dict[str, list[int]], dict[str, str], int]:  # ty
 
 
 def _engine():  # type: ignore[no-untyped-def]
-    return harness.Engine(num_blocks=5, max_num_batched_tokens=64, max_model_len=512, max_num_seqs=8)
+    return harness.Engine(
+        num_blocks=5, max_num_batched_tokens=64, max_model_len=512, max_num_seqs=8
+    )
 
 
 def test_plugin_off_changes_nothing() -> None:
     """VLLM_JOURNEY_OTEL unset or 0: register() wraps nothing, in a fresh process."""
     code = textwrap.dedent(
-        """
+        f"""
         import os, sys
         from vllm.v1.core.sched.scheduler import Scheduler
-        before = {n: Scheduler.__dict__.get(n) for n in %r}
+        before = {{n: Scheduler.__dict__.get(n) for n in {HOOKED!r}}}
         from vllm_journey_otel.plugin import register
         for value in (None, "0", ""):
             if value is None:
@@ -64,15 +73,17 @@ def test_plugin_off_changes_nothing() -> None:
             else:
                 os.environ["VLLM_JOURNEY_OTEL"] = value
             register()
-        after = {n: Scheduler.__dict__.get(n) for n in before}
+        after = {{n: Scheduler.__dict__.get(n) for n in before}}
         assert before == after, "methods changed"
         assert "opentelemetry.sdk.trace" not in sys.modules, "SDK imported while off"
         print("UNCHANGED")
         """
-        % (HOOKED,)
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={k: v for k, v in os.environ.items() if k != "VLLM_JOURNEY_OTEL"},
     )
     assert "UNCHANGED" in out.stdout, out.stderr[-3000:]
@@ -98,7 +109,11 @@ def test_plugin_on_installs_once_and_uninstalls() -> None:
 def test_register_entry_point_enables_from_env(monkeypatch) -> None:
     from importlib.metadata import entry_points
 
-    eps = [ep for ep in entry_points(group="vllm.general_plugins") if ep.value.startswith("vllm_journey_otel")]
+    eps = [
+        ep
+        for ep in entry_points(group="vllm.general_plugins")
+        if ep.value.startswith("vllm_journey_otel")
+    ]
     assert len(eps) == 1
     register = eps[0].load()
     monkeypatch.setenv("VLLM_JOURNEY_OTEL", "1")
@@ -127,18 +142,21 @@ def test_unsupported_version_with_missing_method_stays_off(monkeypatch, caplog) 
         def _free_request(self, req, delay=False):  # type: ignore[no-untyped-def,override]
             return super()._free_request(req, delay)
 
-    version, _, status, mod = hooks._vllm()
+    _version, _, status, mod = hooks._vllm()
     monkeypatch.setattr(hooks, "_vllm", lambda: ("0.99.0", Patched, status, mod))
     with caplog.at_level(logging.WARNING, logger="vllm.journey_otel"):
         assert not hooks.install(Config(enabled=True))
     assert "_free_request" in caplog.text and "stays off" in caplog.text
     assert not hooks.enabled()
-    assert "_free_request" in Patched.__dict__ and Patched.__dict__["_free_request"].__name__ == "_free_request"
+    assert (
+        "_free_request" in Patched.__dict__
+        and Patched.__dict__["_free_request"].__name__ == "_free_request"
+    )
     assert not hasattr(Patched.__dict__["_free_request"], "__wrapped__")
 
 
 def test_unknown_version_with_every_hook_enables(monkeypatch, caplog) -> None:
-    version, cls, status, mod = hooks._vllm()
+    _version, cls, status, mod = hooks._vllm()
     monkeypatch.setattr(hooks, "_vllm", lambda: ("0.40.1", cls, status, mod))
     try:
         with caplog.at_level(logging.INFO, logger="vllm.journey_otel"):
@@ -203,5 +221,18 @@ def test_tracing_on_leaves_scheduler_outputs_unchanged() -> None:
     finally:
         hooks.uninstall()
     assert traced == reference
-    assert {s.attributes["vllm.request.id"] for s in exporter.get_finished_spans()
-            if s.name == "vllm.request"} == {"A", "B", "s", "x"}
+    assert {
+        s.attributes["vllm.request.id"]
+        for s in exporter.get_finished_spans()
+        if s.name == "vllm.request"
+    } == {"A", "B", "s", "x"}
+
+
+def test_vllm_version_under_test() -> None:
+    """CI runs the suite once per supported vLLM; make sure it is the one intended."""
+    import vllm
+
+    expected = os.environ.get("VJO_EXPECT_VLLM")
+    if expected is None:
+        pytest.skip("VJO_EXPECT_VLLM not set (CI sets it)")
+    assert vllm.__version__.split("+")[0] == expected

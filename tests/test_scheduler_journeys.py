@@ -12,14 +12,14 @@ import random
 import time
 
 import pytest
-from conftest import requires_vllm
-from trees import check_invariants, expected_shape
 
+from conftest import import_harness, requires_vllm
+from trees import check_invariants, expected_shape
 from vllm_journey_otel import schema as S
 
 pytestmark = requires_vllm
 
-harness = pytest.importorskip("harness")
+harness = import_harness()
 
 SCHEDULERS = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 
@@ -260,7 +260,9 @@ def test_abort_while_running(tracing, async_scheduling: bool) -> None:
     assert d.shape() == expected_shape("PD")
     assert d.attrs[S.FINISH_STATUS] == S.FINISH_ABORTED
     assert d.attrs[S.GEN_AI_OUTPUT_TOKENS] == req.num_output_tokens > 0
-    assert d.kids(S.SPAN_SCHEDULED)[0].children[1].attrs[S.DECODE_DONE_TOKENS] == req.num_output_tokens
+    assert (
+        d.kids(S.SPAN_SCHEDULED)[0].children[1].attrs[S.DECODE_DONE_TOKENS] == req.num_output_tokens
+    )
     assert S.TTFT_MS in d.attrs and S.PREFILL_MS in d.attrs
     p = journeys["prefilling"]
     check_invariants(p)
@@ -327,7 +329,9 @@ def test_shutdown_abort_exports_everything(tracing, async_scheduling: bool) -> N
         check_invariants(j)
         assert j.attrs[S.FINISH_STATUS] == S.FINISH_ABORTED
     # Two were running, two still queued when the engine stopped.
-    queued_only = [rid for rid, j in journeys.items() if j.shape() == (S.SPAN_REQUEST, ((S.SPAN_QUEUED,),))]
+    queued_only = [
+        rid for rid, j in journeys.items() if j.shape() == (S.SPAN_REQUEST, ((S.SPAN_QUEUED,),))
+    ]
     assert sorted(queued_only) == ["inflight2", "inflight3"]
 
 

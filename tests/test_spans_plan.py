@@ -44,7 +44,12 @@ def test_plain_plan_times_and_intervals() -> None:
     plan = plan_spans(fj, OFFSET, uncertainty_ns=1500)
     root, queued, cycle, prefill, decode = plan
     assert (root.name, queued.name, cycle.name, prefill.name, decode.name) == (
-        S.SPAN_REQUEST, S.SPAN_QUEUED, S.SPAN_SCHEDULED, S.SPAN_PREFILL, S.SPAN_DECODE)
+        S.SPAN_REQUEST,
+        S.SPAN_QUEUED,
+        S.SPAN_SCHEDULED,
+        S.SPAN_PREFILL,
+        S.SPAN_DECODE,
+    )
     # arrival, wall clock; vLLM keeps it as float seconds (sub-microsecond precision)
     assert abs(root.start_unix_ns - (OFFSET + 5 * MS)) < 1000
     assert (queued.start_unix_ns, queued.end_unix_ns) == (OFFSET + 10 * MS, OFFSET + 20 * MS)
@@ -95,10 +100,18 @@ def test_preemption_plan() -> None:
     assert fj is not None
     plan = plan_spans(fj, OFFSET)
     names = [p.name for p in plan]
-    assert names == [S.SPAN_REQUEST, S.SPAN_QUEUED, S.SPAN_SCHEDULED, S.SPAN_PREFILL,
-                     S.SPAN_DECODE, S.SPAN_PREEMPTED, S.SPAN_SCHEDULED, S.SPAN_PREFILL,
-                     S.SPAN_DECODE]
-    c0, p0, d0, pre, c1, p1, d1 = plan[2:]
+    assert names == [
+        S.SPAN_REQUEST,
+        S.SPAN_QUEUED,
+        S.SPAN_SCHEDULED,
+        S.SPAN_PREFILL,
+        S.SPAN_DECODE,
+        S.SPAN_PREEMPTED,
+        S.SPAN_SCHEDULED,
+        S.SPAN_PREFILL,
+        S.SPAN_DECODE,
+    ]
+    c0, p0, d0, pre, c1, p1, _d1 = plan[2:]
     assert p0.attributes[S.PREFILL_CHUNKS] == 2
     assert d0.end_unix_ns == c0.end_unix_ns == pre.start_unix_ns == OFFSET + 40 * MS
     assert pre.end_unix_ns == c1.start_unix_ns == OFFSET + 60 * MS
@@ -148,7 +161,12 @@ def test_transitions_out_of_order_are_ignored() -> None:
 
 def test_error_status_and_trace_parent() -> None:
     j = RequestJourney(
-        "e", 0.0, 10 * MS, 0, 4, 4,
+        "e",
+        0.0,
+        10 * MS,
+        0,
+        4,
+        4,
         trace_headers={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
     )
     j.scheduled(20 * MS, 1, 0, 4, 4, 0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -85,14 +86,14 @@ def check_invariants(root: Node) -> None:
     kids = root.children
     assert kids and kids[0].name == S.SPAN_QUEUED, root.shape()
     # Queued, scheduled and preempted tile the root from admission to the end.
-    for a, b in zip(kids, kids[1:]):
+    for a, b in itertools.pairwise(kids):
         assert a.end == b.start, (a.name, b.name, a.end, b.start)
     assert kids[-1].end == root.end
     assert root.start <= kids[0].start
     names = [k.name for k in kids]
     assert set(names) <= {S.SPAN_QUEUED, S.SPAN_SCHEDULED, S.SPAN_PREEMPTED}
     # scheduled and preempted alternate after queued
-    for a, b in zip(names[1:], names[2:]):
+    for a, b in itertools.pairwise(names):
         assert a != b, names
     cycle = 0
     for k in kids:
@@ -103,7 +104,9 @@ def check_invariants(root: Node) -> None:
             assert key in k.attrs, (k.name, key)
         if k.name == S.SPAN_SCHEDULED:
             assert k.attrs[S.CYCLE] == cycle
-            assert k.attrs[S.SCHEDULE_KIND] == (S.SCHEDULE_FIRST if cycle == 0 else S.SCHEDULE_RESUME)
+            assert k.attrs[S.SCHEDULE_KIND] == (
+                S.SCHEDULE_FIRST if cycle == 0 else S.SCHEDULE_RESUME
+            )
             cycle += 1
             phases = k.children
             assert [p.name for p in phases] in (
@@ -112,7 +115,7 @@ def check_invariants(root: Node) -> None:
             ), [p.name for p in phases]
             assert phases[0].start == k.start
             assert phases[-1].end == k.end
-            for a, b in zip(phases, phases[1:]):
+            for a, b in itertools.pairwise(phases):
                 assert a.end == b.start
             for p in phases:
                 assert set(p.attrs) <= S.attributes_of(p.name)

@@ -55,11 +55,15 @@ def _signature_ok(cls: type, name: str, params: tuple[str, ...]) -> bool:
 def check(version: str, scheduler_cls: type) -> Support:
     """Whether to enable on this vLLM: a supported version, or every hook in place."""
     missing = [
-        name for name, params in REQUIRED_METHODS.items() if not _signature_ok(scheduler_cls, name, params)
+        name
+        for name, params in REQUIRED_METHODS.items()
+        if not _signature_ok(scheduler_cls, name, params)
     ]
     hook_preempt = all(_signature_ok(scheduler_cls, n, p) for n, p in OPTIONAL_METHODS.items())
     try:
-        in_range = Version(version) in SUPPORTED_VLLM.__class__(str(SUPPORTED_VLLM), prereleases=True)
+        in_range = Version(version) in SUPPORTED_VLLM.__class__(
+            str(SUPPORTED_VLLM), prereleases=True
+        )
     except InvalidVersion:
         in_range = False
     if missing:

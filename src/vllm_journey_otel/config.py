@@ -86,8 +86,6 @@ def from_env(env: Mapping[str, str] | None = None) -> Config:
     return Config(
         enabled=True,
         queue_size=int(_number(env, QUEUE_SIZE, d.queue_size, 1, 10_000_000)),
-        export_interval_ms=int(
-            _number(env, EXPORT_INTERVAL_MS, d.export_interval_ms, 1, 60_000)
-        ),
+        export_interval_ms=int(_number(env, EXPORT_INTERVAL_MS, d.export_interval_ms, 1, 60_000)),
         shutdown_timeout_s=_number(env, SHUTDOWN_TIMEOUT_S, d.shutdown_timeout_s, 0, 60),
     )

@@ -174,6 +174,7 @@ class SchedulerTracker:
     """Journey bookkeeping of one Scheduler instance (engine-core thread only)."""
 
     __slots__ = (
+        "__weakref__",
         "awaiting",
         "hook_preempt",
         "in_update",
@@ -184,7 +185,6 @@ class SchedulerTracker:
         "status_map",
         "step",
         "update_mono_ns",
-        "__weakref__",
     )
 
     def __init__(self, scheduler: Any, pipeline: JourneyPipeline, hook_preempt: bool) -> None:
@@ -252,7 +252,9 @@ class SchedulerTracker:
             if j is None:
                 continue
             after = req.num_computed_tokens
-            if j.scheduled(t, step, after - nst.get(rid, 0), after, req.num_tokens, req.num_output_tokens):
+            if j.scheduled(
+                t, step, after - nst.get(rid, 0), after, req.num_tokens, req.num_output_tokens
+            ):
                 awaiting[rid] = (req, j)
         for rid, (req, j) in awaiting.items():
             n = nst.get(rid)
@@ -318,6 +320,7 @@ class SchedulerTracker:
         rid = request.request_id
         self.awaiting.pop(rid, None)
         out_tokens = request.num_output_tokens
+        last: int | None
         if self.in_update:
             t = self.update_mono_ns
             last = t

@@ -262,9 +262,7 @@ class RequestJourney:
                 self.events.append(
                     FirstToken(self._snap(t_mono_ns, step, output_tokens), self.prefill_chunks)
                 )
-        elif (
-            self.state == PREEMPTED and self.first_token_mono_ns is None and output_tokens > 0
-        ):
+        elif self.state == PREEMPTED and self.first_token_mono_ns is None and output_tokens > 0:
             # Async scheduling: the token of a step that was in flight when the
             # request was preempted. It is the request's first token (TTFT), but
             # its cycle is over, so no decode span starts.

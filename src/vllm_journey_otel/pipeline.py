@@ -57,9 +57,7 @@ class JourneyPipeline:
         self._last_drop_log = 0.0
         self._thread: threading.Thread | None = None
         if start_thread:
-            self._thread = threading.Thread(
-                target=self._run, name="vllm-journey-otel", daemon=True
-            )
+            self._thread = threading.Thread(target=self._run, name="vllm-journey-otel", daemon=True)
             self._thread.start()
 
     # -- engine thread -----------------------------------------------------

@@ -132,7 +132,9 @@ def plan_spans(j: FinishedJourney, offset_ns: int, uncertainty_ns: int = 0) -> l
                 )
             )
             cycle_idx = len(plan) - 1
-            plan.append(PlannedSpan(S.SPAN_PREFILL, t, t, cycle_idx, {S.CACHED_TOKENS: ev.cached_tokens}))
+            plan.append(
+                PlannedSpan(S.SPAN_PREFILL, t, t, cycle_idx, {S.CACHED_TOKENS: ev.cached_tokens})
+            )
             phase_idx = len(plan) - 1
         elif isinstance(ev, FirstToken):
             if cycle_idx is None or phase_idx is None or plan[phase_idx].name != S.SPAN_PREFILL:
