@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import atexit
 import functools
+import inspect
 import os
 import socket
 import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 from opentelemetry.sdk.trace.export import SpanExporter
@@ -41,7 +43,14 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from . import __version__
 from . import schema as S
 from .compat import Support, check
-from .config import Config, logger
+from .config import (
+    ENABLE,
+    EXPORT_INTERVAL_MS,
+    QUEUE_SIZE,
+    SHUTDOWN_TIMEOUT_S,
+    Config,
+    logger,
+)
 from .journey import (
     RUNNING,
     STATUS_ABORTED,
@@ -71,6 +80,16 @@ def _vllm() -> tuple[str, type, type, Any]:
     return version, Scheduler, RequestStatus, vllm
 
 
+def _frontend_classes() -> tuple[type | None, type | None]:
+    """AsyncLLM and OutputProcessor (API-server side), or None where missing."""
+    try:
+        from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.engine.output_processor import OutputProcessor
+    except Exception:
+        return None, None
+    return AsyncLLM, OutputProcessor
+
+
 class _State:
     """Process-wide plugin state (one per process)."""
 
@@ -81,9 +100,8 @@ class _State:
         self.config = Config()
         self.support: Support | None = None
         self.vllm_version = ""
-        # name -> (original, whether Scheduler defined it itself or inherited it)
-        self.originals: dict[str, tuple[Callable[..., Any], bool]] = {}
-        self.scheduler_cls: type | None = None
+        # (class, name) -> (original, whether the class defined it or inherited it)
+        self.originals: dict[tuple[type, str], tuple[Callable[..., Any], bool]] = {}
         self.status_map: dict[Any, tuple[int, str]] = {}
         self.pipeline: JourneyPipeline | None = None
         self.pipeline_pid = 0
@@ -481,6 +499,65 @@ def _wrap_shutdown(orig: Callable[..., Any]) -> Callable[..., Any]:
     return shutdown
 
 
+# ---------------------------------------------------------------------------
+# API-server side: keep the client's trace context without vLLM's tracing flag
+# ---------------------------------------------------------------------------
+# The client's W3C headers of the add_request call in progress (per asyncio task).
+_TRACE_HEADERS: ContextVar[dict[str, str] | None] = ContextVar("vjo_trace_headers", default=None)
+
+
+def _wrap_async_add_request(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """AsyncLLM.add_request drops ``trace_headers`` unless --otlp-traces-endpoint is set.
+
+    We take them out of the call (so vLLM neither drops nor warns), keep them in a
+    context variable for the duration of the call, and OutputProcessor.add_request
+    puts them back on the EngineCoreRequest that goes to the engine core.
+    """
+    pos = list(inspect.signature(orig).parameters).index("trace_headers") - 1  # minus self
+
+    @functools.wraps(orig)
+    async def add_request(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _STATE.enabled:
+            return await orig(self, *args, **kwargs)
+        try:
+            in_kwargs = "trace_headers" in kwargs
+            headers: Any = kwargs["trace_headers"] if in_kwargs else None
+            if not in_kwargs and len(args) > pos:
+                headers = args[pos]
+            keep = bool(headers) and self.observability_config.otlp_traces_endpoint is None
+            if keep:
+                if in_kwargs:
+                    kwargs["trace_headers"] = None
+                else:
+                    args = (*args[:pos], None, *args[pos + 1 :])
+                token = _TRACE_HEADERS.set(dict(headers))
+        except Exception:
+            _fail("AsyncLLM.add_request")
+            return await orig(self, *args, **kwargs)
+        if not keep:
+            return await orig(self, *args, **kwargs)
+        try:
+            return await orig(self, *args, **kwargs)
+        finally:
+            _TRACE_HEADERS.reset(token)
+
+    return add_request
+
+
+def _wrap_output_add_request(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        headers = _TRACE_HEADERS.get()
+        if headers is not None and getattr(request, "trace_headers", None) is None:
+            try:
+                request.trace_headers = headers
+            except Exception:
+                _fail("OutputProcessor.add_request")
+        return orig(self, request, *args, **kwargs)
+
+    return add_request
+
+
 _WRAPPERS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
     "__init__": _wrap_init,
     "add_request": _wrap_add_request,
@@ -509,6 +586,21 @@ def _status_map(request_status: Any) -> dict[Any, tuple[int, str]]:
     }
 
 
+def _declare_env_vars() -> None:
+    """Tell vLLM our VLLM_JOURNEY_OTEL* variables are known.
+
+    vLLM warns about unknown VLLM_* variables, and raises with
+    --fail-on-environ-validation; the API server loads plugins before it checks.
+    """
+    import vllm.envs as envs
+
+    table = getattr(envs, "environment_variables", None)
+    if not isinstance(table, dict):
+        return
+    for name in (ENABLE, QUEUE_SIZE, EXPORT_INTERVAL_MS, SHUTDOWN_TIMEOUT_S):
+        table.setdefault(name, functools.partial(os.environ.get, name))
+
+
 def install(
     config: Config,
     exporters: Sequence[SpanExporter] | None = None,
@@ -527,6 +619,7 @@ def install(
                 logger.info("journey-otel: OTEL_SDK_DISABLED=true, journey tracing stays off")
                 return False
             version, scheduler_cls, request_status, _ = _vllm()
+            _declare_env_vars()
             support = check(version, scheduler_cls)
             if not support.ok:
                 logger.warning("journey-otel: %s", support.reason)
@@ -541,11 +634,19 @@ def install(
                 for name, make in _WRAPPERS.items():
                     if name == "_preempt_request" and not support.hook_preempt:
                         continue
-                    own = name in scheduler_cls.__dict__
-                    orig = getattr(scheduler_cls, name)
-                    _STATE.originals[name] = (orig, own)
-                    setattr(scheduler_cls, name, make(orig))
-                _STATE.scheduler_cls = scheduler_cls
+                    _patch(scheduler_cls, name, make)
+                async_llm, output_processor = _frontend_classes()
+                if _signature_has(async_llm, "add_request", "trace_headers") and _signature_has(
+                    output_processor, "add_request", "request"
+                ):
+                    assert async_llm is not None and output_processor is not None
+                    _patch(async_llm, "add_request", _wrap_async_add_request)
+                    _patch(output_processor, "add_request", _wrap_output_add_request)
+                else:
+                    logger.info(
+                        "journey-otel: AsyncLLM.add_request not as expected; the client's "
+                        "trace context reaches journeys only with --otlp-traces-endpoint"
+                    )
                 _STATE.installed = True
             _STATE.failed = False
             _STATE.enabled = True
@@ -556,20 +657,32 @@ def install(
         return False
 
 
+def _patch(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    own = name in cls.__dict__
+    orig = getattr(cls, name)
+    _STATE.originals[(cls, name)] = (orig, own)
+    setattr(cls, name, make(orig))
+
+
+def _signature_has(cls: type | None, name: str, param: str) -> bool:
+    fn = getattr(cls, name, None) if cls is not None else None
+    try:
+        return fn is not None and param in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def uninstall(timeout_s: float = 5.0) -> None:
-    """Restore the original Scheduler methods and shut the pipeline down (tests)."""
+    """Restore every original method and shut the pipeline down (tests)."""
     with _STATE.lock:
-        cls = _STATE.scheduler_cls
-        if cls is not None:
-            for name, (orig, own) in _STATE.originals.items():
-                if own:
-                    setattr(cls, name, orig)
-                else:
-                    delattr(cls, name)
+        for (cls, name), (orig, own) in _STATE.originals.items():
+            if own:
+                setattr(cls, name, orig)
+            else:
+                delattr(cls, name)
         _STATE.originals.clear()
         _STATE.installed = False
         _STATE.enabled = False
-        _STATE.scheduler_cls = None
         pipeline, _STATE.pipeline = _STATE.pipeline, None
     if pipeline is not None:
         pipeline.shutdown(timeout_s)
