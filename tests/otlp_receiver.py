@@ -125,3 +125,41 @@ def running_receiver() -> Iterator[Receiver]:
         yield r
     finally:
         r.stop()
+
+
+class _Ctx:
+    def __init__(self, trace_id: int, span_id: int, remote: bool = False) -> None:
+        self.trace_id = trace_id
+        self.span_id = span_id
+        self.is_remote = remote
+
+
+class _Kind:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class WireSpan:
+    """A received protobuf span with the ReadableSpan attributes tests/trees.py reads."""
+
+    _KINDS = {1: "INTERNAL", 2: "SERVER", 3: "CLIENT", 4: "PRODUCER", 5: "CONSUMER"}
+
+    def __init__(self, r: ReceivedSpan) -> None:
+        s = r.span
+        self.name = s.name
+        self.attributes = r.attrs
+        self.resource = r.resource
+        self.start_time = s.start_time_unix_nano
+        self.end_time = s.end_time_unix_nano
+        self.context = _Ctx(int.from_bytes(s.trace_id, "big"), int.from_bytes(s.span_id, "big"))
+        self.parent = (
+            _Ctx(self.context.trace_id, int.from_bytes(s.parent_span_id, "big"))
+            if s.parent_span_id
+            else None
+        )
+        self.kind = _Kind(self._KINDS.get(s.kind, "UNSPECIFIED"))
+        self.status_code = s.status.code
+
+
+def wire_spans(receiver: Receiver) -> list[WireSpan]:
+    return [WireSpan(r) for r in receiver.spans()]

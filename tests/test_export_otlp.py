@@ -9,9 +9,10 @@ import pytest
 
 from conftest import import_harness, requires_vllm
 from otlp_receiver import Receiver, running_receiver
+from services import wait_until
 from vllm_journey_otel import __version__, hooks
 from vllm_journey_otel import schema as S
-from vllm_journey_otel.config import Config
+from vllm_journey_otel.config import MODE_PROCESS, MODE_THREAD, Config
 from vllm_journey_otel.provider import exporter_names
 
 pytestmark = requires_vllm
@@ -41,7 +42,10 @@ def _run_and_shutdown() -> None:
 
 
 def _check_received(receiver: Receiver) -> None:
-    spans = receiver.spans()
+    # In process mode the detached exporter sends them shortly after.
+    spans = wait_until(
+        lambda: len(receiver.spans()) >= 10 and receiver.spans(), 20, 0.1, "10 spans"
+    )
     roots = [s for s in spans if s.name == S.SPAN_REQUEST]
     assert sorted(r.attrs[S.REQUEST_ID] for r in roots) == ["p1", "p2"]
     # p1: queued, scheduled, prefill, decode under the root; p2 the same.
@@ -67,15 +71,16 @@ def _check_received(receiver: Receiver) -> None:
     assert res[S.RES_VLLM_VERSION] == vllm.__version__
 
 
+@pytest.mark.parametrize("mode", [MODE_PROCESS, MODE_THREAD])
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
-def test_otlp_protocols(receiver, monkeypatch, protocol: str) -> None:  # type: ignore[no-untyped-def]
+def test_otlp_protocols(receiver, monkeypatch, protocol: str, mode: str) -> None:  # type: ignore[no-untyped-def]
     if protocol == "grpc":
         endpoint = f"http://127.0.0.1:{receiver.grpc_port}"
     else:
         endpoint = f"http://127.0.0.1:{receiver.http_port}/v1/traces"
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", protocol)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", endpoint)
-    assert hooks.install(Config(enabled=True))
+    assert hooks.install(Config(enabled=True, export_mode=mode))
     try:
         _run_and_shutdown()
         _check_received(receiver)
@@ -94,7 +99,7 @@ def test_generic_protocol_and_service_name(receiver, monkeypatch) -> None:  # ty
     assert hooks.install(Config(enabled=True))
     try:
         _run_and_shutdown()
-        res = receiver.spans()[0].resource
+        res = wait_until(receiver.spans, 20, 0.1, "spans")[0].resource
         assert res[S.RES_SERVICE_NAME] == "llama-prod"
         assert res["deployment.environment"] == "staging"
         # What the user set explicitly wins over what we detect.
@@ -120,7 +125,7 @@ def test_console_exporter() -> None:
     code = (
         f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         "from vllm_journey_otel import hooks\n"
-        "from vllm_journey_otel.config import Config\n"
+        "from vllm_journey_otel.config import MODE_PROCESS, MODE_THREAD, Config\n"
         "assert hooks.install(Config(enabled=True))\n"
         "import harness\n"
         "e = harness.Engine(); e.add('c1'); e.add('c2'); e.run(); e.scheduler.shutdown()\n"

@@ -21,6 +21,10 @@ ENABLE = "VLLM_JOURNEY_OTEL"
 QUEUE_SIZE = "VLLM_JOURNEY_OTEL_QUEUE_SIZE"
 EXPORT_INTERVAL_MS = "VLLM_JOURNEY_OTEL_EXPORT_INTERVAL_MS"
 SHUTDOWN_TIMEOUT_S = "VLLM_JOURNEY_OTEL_SHUTDOWN_TIMEOUT_S"
+EXPORT_MODE = "VLLM_JOURNEY_OTEL_EXPORT_MODE"
+
+MODE_PROCESS = "process"
+MODE_THREAD = "thread"
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
@@ -34,8 +38,13 @@ class Config:
     # Finished journeys waiting for the span-building thread; beyond it they are
     # dropped and counted, never blocking the engine.
     queue_size: int = 16384
-    # How often the span-building thread wakes to drain the queue.
-    export_interval_ms: int = 100
+    # How often the drain thread wakes to hand queued journeys on. Journeys still
+    # queued when the engine core is killed are lost, so keep it short.
+    export_interval_ms: int = 50
+    # "process": spans are built and exported by a detached exporter process fed
+    # over a pipe (off the engine core's GIL, survives the engine core being
+    # killed); "thread": by a thread of the engine core.
+    export_mode: str = MODE_PROCESS
     # Deadline for the final flush when the engine core shuts down. vLLM's parent
     # sends SIGKILL about 5 s after SIGTERM, so stay well under it.
     shutdown_timeout_s: float = 3.0
@@ -77,6 +86,19 @@ def _number(env: Mapping[str, str], name: str, default: float, low: float, high:
     return value
 
 
+def _choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value not in choices:
+        logger.warning(
+            "%s=%r is not one of %s; using the default %s.", name, raw, "/".join(choices), default
+        )
+        return default
+    return value
+
+
 def from_env(env: Mapping[str, str] | None = None) -> Config:
     """Read the settings from ``env`` (default: ``os.environ``). Never raises."""
     env = os.environ if env is None else env
@@ -88,4 +110,5 @@ def from_env(env: Mapping[str, str] | None = None) -> Config:
         queue_size=int(_number(env, QUEUE_SIZE, d.queue_size, 1, 10_000_000)),
         export_interval_ms=int(_number(env, EXPORT_INTERVAL_MS, d.export_interval_ms, 1, 60_000)),
         shutdown_timeout_s=_number(env, SHUTDOWN_TIMEOUT_S, d.shutdown_timeout_s, 0, 60),
+        export_mode=_choice(env, EXPORT_MODE, d.export_mode, (MODE_PROCESS, MODE_THREAD)),
     )

@@ -46,6 +46,8 @@ from .compat import Support, check
 from .config import (
     ENABLE,
     EXPORT_INTERVAL_MS,
+    EXPORT_MODE,
+    MODE_PROCESS,
     QUEUE_SIZE,
     SHUTDOWN_TIMEOUT_S,
     Config,
@@ -62,6 +64,7 @@ from .journey import (
 )
 from .pipeline import JourneyPipeline
 from .provider import make_tracer_provider, sdk_disabled
+from .sinks import PipeSink, Sink, SpanSink
 
 _now = time.monotonic_ns
 
@@ -151,16 +154,28 @@ def _resource_attributes(scheduler: Any) -> dict[str, Any]:
     }
 
 
+def _make_sink(attributes: dict[str, Any]) -> Sink:
+    """The exporter process, or span building in this process (thread mode, tests)."""
+    if _STATE.exporters is None and _STATE.config.export_mode == MODE_PROCESS:
+        try:
+            return PipeSink.start(attributes)
+        except Exception:
+            logger.warning(
+                "journey-otel: could not start the exporter process; building spans "
+                "in the engine core instead (%s=thread)",
+                EXPORT_MODE,
+                exc_info=True,
+            )
+    return SpanSink(make_tracer_provider(attributes, _STATE.exporters, batch=_STATE.batch))
+
+
 def _pipeline_for(scheduler: Any) -> JourneyPipeline:
     with _STATE.lock:
         pid = os.getpid()
         if _STATE.pipeline is None or _STATE.pipeline_pid != pid:
             cfg = _STATE.config
-            provider = make_tracer_provider(
-                _resource_attributes(scheduler), _STATE.exporters, batch=_STATE.batch
-            )
             _STATE.pipeline = JourneyPipeline(
-                provider,
+                _make_sink(_resource_attributes(scheduler)),
                 max_queue=cfg.queue_size,
                 interval_s=cfg.export_interval_ms / 1000.0,
             )
@@ -597,7 +612,7 @@ def _declare_env_vars() -> None:
     table = getattr(envs, "environment_variables", None)
     if not isinstance(table, dict):
         return
-    for name in (ENABLE, QUEUE_SIZE, EXPORT_INTERVAL_MS, SHUTDOWN_TIMEOUT_S):
+    for name in (ENABLE, QUEUE_SIZE, EXPORT_INTERVAL_MS, SHUTDOWN_TIMEOUT_S, EXPORT_MODE):
         table.setdefault(name, functools.partial(os.environ.get, name))
 
 

@@ -1,11 +1,11 @@
-"""Hand-off from the engine thread to the span-building thread.
+"""Hand-off from the engine thread to a sink, off the engine thread.
 
 The engine thread calls :meth:`JourneyPipeline.submit` with a finished journey:
 one length check and one ``deque.append`` (atomic under the GIL), nothing else.
 When the queue is full the journey is dropped and counted, never blocking the
-engine. A daemon thread ("vllm-journey-otel") wakes every ``interval`` to drain
-the queue, convert clocks, build spans and pass them to the SDK's span
-processors (whose own BatchSpanProcessor thread does the network export).
+engine. A daemon thread ("vllm-journey-otel") wakes every ``interval`` to move
+the queued journeys, in one batch, to the sink (``sinks.py``): an exporter
+process in ``process`` mode, or span building in this process in ``thread`` mode.
 
 Process: the engine-core process, created after fork/spawn. Thread-safety:
 ``submit`` is called by one thread (the engine thread); draining is serialised by
@@ -18,34 +18,27 @@ import threading
 import time
 from collections import deque
 
-from opentelemetry.sdk.trace import TracerProvider
-
-from . import schema as S
-from .clock import ClockAnchor
 from .config import logger
 from .journey import FinishedJourney
-from .spans import emit_spans, parent_context, plan_spans
+from .sinks import Sink
 
 _DROP_LOG_PERIOD_S = 60.0
 
 
 class JourneyPipeline:
-    """Bounded queue of finished journeys plus the thread that turns them into spans."""
+    """Bounded queue of finished journeys plus the thread that drains it into a sink."""
 
     def __init__(
         self,
-        provider: TracerProvider,
+        sink: Sink,
         max_queue: int = 16384,
-        interval_s: float = 0.1,
-        clock: ClockAnchor | None = None,
+        interval_s: float = 0.05,
         start_thread: bool = True,
     ) -> None:
-        self.provider = provider
-        self._tracer = provider.get_tracer(S.SCOPE_NAME)
+        self.sink = sink
         self._queue: deque[FinishedJourney] = deque()
         self._max_queue = max_queue
         self._interval_s = interval_s
-        self._clock = clock or ClockAnchor()
         self._drain_lock = threading.Lock()
         self._stop = threading.Event()
         # Counters. ``dropped`` is written by the engine thread only; the others
@@ -68,36 +61,21 @@ class JourneyPipeline:
             return
         self._queue.append(journey)
 
-    # -- span-building thread ----------------------------------------------
+    # -- drain thread ------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
             self.drain()
 
-    def drain(self, deadline: float | None = None) -> int:
-        """Build and hand to the SDK every queued journey; returns how many.
-
-        ``deadline`` is a ``time.monotonic()`` value after which it stops early.
-        """
-        n = 0
+    def drain(self) -> int:
+        """Hand every queued journey to the sink, in one batch; returns how many."""
         with self._drain_lock:
-            while self._queue:
-                if deadline is not None and time.monotonic() >= deadline:
-                    break
-                journey = self._queue.popleft()
-                try:
-                    anchor = self._clock.anchor
-                    plan = plan_spans(journey, anchor.offset_ns, anchor.uncertainty_ns)
-                    emit_spans(plan, self._tracer, parent_context(journey.trace_headers))
-                    self.exported += 1
-                except Exception:
-                    self.failed += 1
-                    if self.failed == 1:
-                        logger.warning(
-                            "journey-otel: could not build spans for a journey; "
-                            "later failures are counted silently",
-                            exc_info=True,
-                        )
-                n += 1
+            queue = self._queue
+            n = len(queue)
+            if n:
+                batch = [queue.popleft() for _ in range(n)]
+                failed = self.sink.consume(batch)
+                self.failed += failed
+                self.exported += n - failed
             self._report_drops()
         return n
 
@@ -116,26 +94,26 @@ class JourneyPipeline:
 
     # -- any thread --------------------------------------------------------
     def flush(self, timeout_s: float) -> bool:
-        """Drain the queue and flush the SDK's processors within ``timeout_s``.
+        """Drain the queue and flush the sink within ``timeout_s``.
 
-        Returns True if everything queued was exported in time.
+        Returns True if everything queued was handed on in time.
         """
         deadline = time.monotonic() + max(0.0, timeout_s)
-        self.drain(deadline)
-        remaining_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
-        ok = bool(self.provider.force_flush(remaining_ms)) if remaining_ms > 0 else False
+        self.drain()
+        ok = self.sink.flush(max(0.0, deadline - time.monotonic()))
         return ok and not self._queue
 
     def shutdown(self, timeout_s: float) -> bool:
-        """Stop the thread, flush within ``timeout_s``, shut the provider down."""
+        """Stop the thread, drain, and shut the sink down within ``timeout_s``."""
         self._stop.set()
-        ok = self.flush(timeout_s)
         if self._thread is not None:
-            self._thread.join(timeout=0.1)
-        self.provider.shutdown()
-        return ok
+            self._thread.join(timeout=1.0)
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        self.drain()
+        self.sink.shutdown(max(0.0, deadline - time.monotonic()))
+        return not self._queue
 
     @property
     def queued(self) -> int:
-        """Journeys waiting for the span-building thread."""
+        """Journeys waiting for the drain thread."""
         return len(self._queue)

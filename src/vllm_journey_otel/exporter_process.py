@@ -1,0 +1,63 @@
+"""The exporter process: finished journeys in on stdin, OTLP out.
+
+Started by :meth:`vllm_journey_otel.sinks.PipeSink.start` from the engine core,
+detached from its process tree. It reads frames of msgpack-encoded
+``list[FinishedJourney]`` from stdin, builds spans (clock conversion, span plan,
+SDK tracer) and exports them through a private TracerProvider configured by the
+inherited OTEL_* variables. On end-of-file (the engine core closed the pipe or
+died) or SIGTERM it flushes within the deadline and exits.
+
+Clock: CLOCK_MONOTONIC is system-wide, so this process's wall-mono-wall anchor
+converts the engine core's ``*_mono_ns`` stamps correctly (same host).
+
+    python -m vllm_journey_otel.exporter_process '<resource attributes as JSON>'
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from .config import from_env, logger
+from .provider import make_tracer_provider
+from .sinks import SpanSink, read_frames
+
+# The exporter is not bound by vLLM's kill deadline; give the final export time.
+MIN_FINAL_FLUSH_S = 10.0
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"(journey-otel exporter pid={os.getpid()}) %(levelname)s %(message)s",
+    )
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C of vllm serve: finish via EOF
+    attributes = json.loads(argv[1]) if len(argv) > 1 else {}
+    config = from_env()
+    sink = SpanSink(make_tracer_provider(attributes))
+    received = 0
+    try:
+        for batch in read_frames(sys.stdin.buffer):
+            received += len(batch)
+            sink.consume(batch)
+    except SystemExit:
+        pass
+    except Exception:
+        logger.warning("journey-otel exporter: bad input, stopping", exc_info=True)
+    finally:
+        sink.shutdown(max(config.shutdown_timeout_s, MIN_FINAL_FLUSH_S))
+        logger.debug("journey-otel exporter: %d journeys received, exiting", received)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

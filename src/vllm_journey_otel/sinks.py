@@ -1,0 +1,183 @@
+"""Where batches of finished journeys go once they leave the engine thread.
+
+* :class:`SpanSink` builds and exports spans in this process (clock conversion,
+  span plan, SDK tracer). Used inside the exporter process, and in the engine
+  core itself in ``thread`` mode.
+* :class:`PipeSink` encodes the batch with msgspec and writes it to the stdin of a
+  separate exporter process (``python -m vllm_journey_otel.exporter_process``),
+  which owns the SDK. This keeps span building and OTLP encoding off the engine
+  core's GIL, and the exporter outlives the engine core: vLLM's API server kills
+  the engine-core process tree at once on SIGTERM (``--shutdown-timeout 0``, the
+  default), so nothing left inside the engine core at that moment could be
+  flushed. The exporter is started through a short-lived launcher so it is not a
+  descendant of the engine core (vLLM's ``kill_process_tree`` kills descendants);
+  it exits on end-of-file after exporting everything it received.
+
+Wire format (stdin of the exporter): frames of a 4-byte little-endian length and
+a msgpack-encoded ``list[FinishedJourney]``.
+
+Threading: ``consume`` is called by the pipeline's drain thread only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from typing import IO, Any, Protocol
+
+import msgspec
+from opentelemetry.sdk.trace import TracerProvider
+
+from . import schema as S
+from .clock import ClockAnchor
+from .config import logger
+from .journey import FinishedJourney
+from .spans import emit_spans, parent_context, plan_spans
+
+FRAME_HEADER = struct.Struct("<I")
+# Frames larger than this are refused by the reader (a corrupt length).
+MAX_FRAME_BYTES = 256 * 1024 * 1024
+
+ENCODER = msgspec.msgpack.Encoder()
+DECODER = msgspec.msgpack.Decoder(list[FinishedJourney])
+
+
+class Sink(Protocol):
+    """Receives batches of finished journeys from the drain thread."""
+
+    def consume(self, batch: Sequence[FinishedJourney]) -> int:
+        """Handle a batch; returns how many journeys failed."""
+
+    def flush(self, timeout_s: float) -> bool:
+        """Push everything out within ``timeout_s``; True when done."""
+
+    def shutdown(self, timeout_s: float) -> None:
+        """Flush and release resources."""
+
+
+class SpanSink:
+    """Build spans in this process and hand them to the provider's processors."""
+
+    def __init__(self, provider: TracerProvider, clock: ClockAnchor | None = None) -> None:
+        self.provider = provider
+        self._tracer = provider.get_tracer(S.SCOPE_NAME)
+        self._clock = clock or ClockAnchor()
+        self.failed = 0
+
+    def consume(self, batch: Sequence[FinishedJourney]) -> int:
+        failed = 0
+        for journey in batch:
+            try:
+                anchor = self._clock.anchor
+                plan = plan_spans(journey, anchor.offset_ns, anchor.uncertainty_ns)
+                emit_spans(plan, self._tracer, parent_context(journey.trace_headers))
+            except Exception:
+                failed += 1
+                if self.failed + failed == 1:
+                    logger.warning(
+                        "journey-otel: could not build spans for a journey; "
+                        "later failures are counted silently",
+                        exc_info=True,
+                    )
+        self.failed += failed
+        return failed
+
+    def flush(self, timeout_s: float) -> bool:
+        ms = int(max(0.0, timeout_s) * 1000)
+        return bool(self.provider.force_flush(ms)) if ms > 0 else False
+
+    def shutdown(self, timeout_s: float) -> None:
+        self.flush(timeout_s)
+        self.provider.shutdown()
+
+
+_LAUNCHER = (
+    "import subprocess, sys\n"
+    "subprocess.Popen(sys.argv[1:], stdin=sys.stdin, start_new_session=True, close_fds=True)\n"
+)
+
+
+class PipeSink:
+    """Encode batches and write them to a detached exporter process."""
+
+    def __init__(self, pipe: IO[bytes], pid: int | None = None) -> None:
+        self._pipe = pipe
+        self.pid = pid
+        self.failed = 0
+        self.broken = False
+
+    @classmethod
+    def start(
+        cls,
+        resource_attributes: Mapping[str, Any],
+        env: Mapping[str, str] | None = None,
+        python: str | None = None,
+    ) -> PipeSink:
+        """Start the exporter (detached from this process tree) and connect to it."""
+        argv = [
+            python or sys.executable,
+            "-m",
+            "vllm_journey_otel.exporter_process",
+            json.dumps(dict(resource_attributes)),
+        ]
+        read_fd, write_fd = os.pipe()
+        try:
+            launcher = subprocess.Popen(
+                [python or sys.executable, "-c", _LAUNCHER, *argv],
+                stdin=read_fd,
+                env=dict(env) if env is not None else None,
+                close_fds=True,
+            )
+            launcher.wait(timeout=30)
+        finally:
+            os.close(read_fd)
+        if launcher.returncode != 0:
+            os.close(write_fd)
+            raise RuntimeError(f"exporter launcher exited with {launcher.returncode}")
+        return cls(os.fdopen(write_fd, "wb", buffering=0))
+
+    def consume(self, batch: Sequence[FinishedJourney]) -> int:
+        if self.broken or not batch:
+            return len(batch) if self.broken else 0
+        payload = ENCODER.encode(list(batch))
+        try:
+            self._pipe.write(FRAME_HEADER.pack(len(payload)) + payload)
+        except OSError:
+            self.broken = True
+            self.failed += len(batch)
+            logger.warning(
+                "journey-otel: the exporter process is gone; journeys are dropped from now on",
+                exc_info=True,
+            )
+            return len(batch)
+        return 0
+
+    def flush(self, timeout_s: float) -> bool:
+        # Writes are unbuffered: once consume() returned, the bytes are in the
+        # kernel's pipe, which survives this process. The exporter exports them.
+        return not self.broken
+
+    def shutdown(self, timeout_s: float) -> None:
+        try:
+            self._pipe.close()  # EOF: the exporter exports what it has and exits
+        except OSError:
+            pass
+
+
+def read_frames(stream: IO[bytes]) -> Any:
+    """Yield decoded batches from ``stream`` until end-of-file (exporter side)."""
+    while True:
+        header = stream.read(FRAME_HEADER.size)
+        if len(header) < FRAME_HEADER.size:
+            return
+        (size,) = FRAME_HEADER.unpack(header)
+        if size > MAX_FRAME_BYTES:
+            raise ValueError(f"frame of {size} bytes exceeds the {MAX_FRAME_BYTES} limit")
+        payload = stream.read(size)
+        if len(payload) < size:
+            return
+        yield DECODER.decode(payload)
