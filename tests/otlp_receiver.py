@@ -11,6 +11,7 @@ import threading
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
+from typing import ClassVar
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
@@ -142,7 +143,13 @@ class _Kind:
 class WireSpan:
     """A received protobuf span with the ReadableSpan attributes tests/trees.py reads."""
 
-    _KINDS = {1: "INTERNAL", 2: "SERVER", 3: "CLIENT", 4: "PRODUCER", 5: "CONSUMER"}
+    _KINDS: ClassVar[dict[int, str]] = {
+        1: "INTERNAL",
+        2: "SERVER",
+        3: "CLIENT",
+        4: "PRODUCER",
+        5: "CONSUMER",
+    }
 
     def __init__(self, r: ReceivedSpan) -> None:
         s = r.span

@@ -7,6 +7,7 @@ the tail.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -89,18 +90,12 @@ class Process:
         """SIGTERM the process, wait, then SIGKILL its whole group."""
         if self.alive():
             self.proc.send_signal(signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
         self._log.close()
         return self.proc.returncode
 

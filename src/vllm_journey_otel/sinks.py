@@ -21,6 +21,7 @@ Threading: ``consume`` is called by the pipeline's drain thread only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -162,10 +163,8 @@ class PipeSink:
         return not self.broken
 
     def shutdown(self, timeout_s: float) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self._pipe.close()  # EOF: the exporter exports what it has and exits
-        except OSError:
-            pass
 
 
 def read_frames(stream: IO[bytes]) -> Any:
