@@ -11,8 +11,8 @@ import threading
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
-from typing import ClassVar
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc

@@ -209,6 +209,7 @@ class SchedulerTracker:
     __slots__ = (
         "__weakref__",
         "awaiting",
+        "finished_in_update",
         "hook_preempt",
         "in_update",
         "last_update_ids",
@@ -233,6 +234,7 @@ class SchedulerTracker:
         self.update_mono_ns = 0
         self.last_update_mono_ns = 0
         self.last_update_ids: Any = ()
+        self.finished_in_update = 0
 
     # add_request ----------------------------------------------------------
     def before_add(self, request: Any) -> bool:
@@ -321,6 +323,7 @@ class SchedulerTracker:
     # update_from_output ----------------------------------------------------
     def before_update(self) -> None:
         self.in_update = True
+        self.finished_in_update = 0
         self.update_mono_ns = _now()
 
     def after_update(self, scheduler_output: Any) -> None:
@@ -328,6 +331,8 @@ class SchedulerTracker:
         self.in_update = False
         self.last_update_mono_ns = t
         self.last_update_ids = scheduler_output.num_scheduled_tokens
+        if self.finished_in_update:
+            self.pipeline.kick()
         awaiting = self.awaiting
         if not awaiting:
             return
@@ -371,6 +376,10 @@ class SchedulerTracker:
         finished = j.finish(t, self.step, status, reason, out_tokens, last)
         if finished is not None:
             self.pipeline.submit(finished)
+            if self.in_update:
+                self.finished_in_update += 1
+            else:
+                self.pipeline.kick()
 
 
 # ---------------------------------------------------------------------------

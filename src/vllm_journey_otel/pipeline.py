@@ -41,6 +41,7 @@ class JourneyPipeline:
         self._interval_s = interval_s
         self._drain_lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()
         # Counters. ``dropped`` is written by the engine thread only; the others
         # by whichever thread holds the drain lock.
         self.dropped = 0
@@ -61,9 +62,21 @@ class JourneyPipeline:
             return
         self._queue.append(journey)
 
+    def kick(self) -> None:
+        """Wake the drain thread now (engine thread, after a step that finished requests).
+
+        The client gets its response only after the step's outputs leave the
+        engine core; waking the drain thread here gets the journeys into the
+        exporter's pipe about as soon, so a SIGKILL of the engine core right after
+        a response (vLLM's default shutdown) loses almost nothing.
+        """
+        self._wake.set()
+
     # -- drain thread ------------------------------------------------------
     def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
+        while not self._stop.is_set():
+            self._wake.wait(self._interval_s)
+            self._wake.clear()
             self.drain()
 
     def drain(self) -> int:
@@ -106,6 +119,7 @@ class JourneyPipeline:
     def shutdown(self, timeout_s: float) -> bool:
         """Stop the thread, drain, and shut the sink down within ``timeout_s``."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=1.0)
         deadline = time.monotonic() + max(0.0, timeout_s)
