@@ -18,12 +18,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 os.environ.setdefault("VLLM_JOURNEY_OTEL", "1")
 os.environ.setdefault("OTEL_TRACES_EXPORTER", "none")
 
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
-from vllm.plugins import load_general_plugins  # noqa: E402
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from vllm.plugins import load_general_plugins
 
-from vllm_journey_otel import hooks  # noqa: E402
-from vllm_journey_otel import schema as S  # noqa: E402
-from vllm_journey_otel.config import from_env  # noqa: E402
+from vllm_journey_otel import hooks
+from vllm_journey_otel import schema as S
+from vllm_journey_otel.config import from_env
 
 WIDTH = 72
 GLYPH = {S.SPAN_QUEUED: ".", S.SPAN_PREFILL: "P", S.SPAN_DECODE: "=", S.SPAN_PREEMPTED: "x"}
@@ -36,7 +36,9 @@ def main() -> None:
     hooks.install(from_env(), exporters=[exporter], batch=False)
     import harness  # real Scheduler + fabricated model runner
 
-    engine = harness.Engine(num_blocks=12, max_num_batched_tokens=64, max_model_len=512, max_num_seqs=8)
+    engine = harness.Engine(
+        num_blocks=12, max_num_batched_tokens=64, max_model_len=512, max_num_seqs=8
+    )
     for i in range(6):
         engine.add(f"req-{i}", prompt_len=20 + 17 * i, max_tokens=24 + 4 * i)
         engine.step()
@@ -47,8 +49,12 @@ def main() -> None:
     t0 = min(s.start_time for s in roots)
     t1 = max(s.end_time for s in roots)
     scale = (WIDTH - 1) / max(1, t1 - t0)
-    print(f"{len(roots)} journeys, {len(spans)} spans, {steps} scheduler steps after the last arrival")
-    print(f"legend: . queued  P prefill  = decode  x preempted   (time -> {(t1 - t0) / 1e6:.2f} ms)\n")
+    print(
+        f"{len(roots)} journeys, {len(spans)} spans, {steps} scheduler steps after the last arrival"
+    )
+    print(
+        f"legend: . queued  P prefill  = decode  x preempted   (time -> {(t1 - t0) / 1e6:.2f} ms)\n"
+    )
     for root in roots:
         row = [" "] * WIDTH
         for s in spans:

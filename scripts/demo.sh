@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Set up .venv (vLLM on the CPU) and run the demo: journeys from vLLM's real
-# Scheduler under KV-cache pressure, drawn in the terminal. No GPU, no collector.
+# Set up .venv (vLLM on the CPU) and run the demo: a real `vllm serve` with the
+# plugin, a burst of traffic, and a summary of every journey. No GPU, no collector.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-VLLM_JOURNEY_OTEL=1 .venv/bin/python examples/scheduler_demo.py
+.venv/bin/python examples/serve_demo.py "$@"

@@ -8,7 +8,7 @@ bash scripts/setup_backends.sh      # Phoenix + rotel for the end-to-end tests
 bash scripts/fetch_vllm033.sh
 . .venv/bin/activate
 
-echo "== ruff"; ruff check src tests
+echo "== ruff"; ruff check src tests examples
 echo "== mypy (strict, src/)"; mypy
 export VJO_REQUIRE_VLLM=1 PYTHONUNBUFFERED=1
 

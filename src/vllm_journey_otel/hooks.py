@@ -43,16 +43,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from . import __version__
 from . import schema as S
 from .compat import Support, check
-from .config import (
-    ENABLE,
-    EXPORT_INTERVAL_MS,
-    EXPORT_MODE,
-    MODE_PROCESS,
-    QUEUE_SIZE,
-    SHUTDOWN_TIMEOUT_S,
-    Config,
-    logger,
-)
+from .config import ALL_VARIABLES, EXPORT_MODE, MODE_PROCESS, Config, logger
 from .journey import (
     RUNNING,
     STATUS_ABORTED,
@@ -621,7 +612,7 @@ def _declare_env_vars() -> None:
     table = getattr(envs, "environment_variables", None)
     if not isinstance(table, dict):
         return
-    for name in (ENABLE, QUEUE_SIZE, EXPORT_INTERVAL_MS, SHUTDOWN_TIMEOUT_S, EXPORT_MODE):
+    for name in ALL_VARIABLES:
         table.setdefault(name, functools.partial(os.environ.get, name))
 
 

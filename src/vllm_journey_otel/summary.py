@@ -1,0 +1,170 @@
+"""Summarise journeys from spans: per-phase latency, preemptions, statuses, tokens.
+
+Streaming: keeps one small record per journey (not its spans), so 100,000
+journeys fit in tens of MB. Pure: works on :class:`~vllm_journey_otel.tracefile.FileSpan`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import schema as S
+from .tracefile import FileSpan
+
+PHASES = (
+    ("queued", S.QUEUED_MS),
+    ("ttft", S.TTFT_MS),
+    ("prefill", S.PREFILL_MS),
+    ("decode", S.DECODE_MS),
+)
+PERCENTILES = (50, 90, 95, 99)
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of already sorted values (q in 0..100)."""
+    if not sorted_values:
+        raise ValueError("no values")
+    k = max(0, min(len(sorted_values) - 1, round(q / 100 * (len(sorted_values) - 1))))
+    return sorted_values[k]
+
+
+@dataclass
+class _Journey:
+    request_id: str
+    trace_id: str
+    duration_ms: float
+    attrs: dict[str, Any]
+
+
+@dataclass
+class Summary:
+    """What ``vllm-journey summary`` prints."""
+
+    journeys: int = 0
+    spans: int = 0
+    statuses: Counter[str] = field(default_factory=Counter)
+    phases_ms: dict[str, list[float]] = field(default_factory=dict)
+    preempted_requests: int = 0
+    preemptions: int = 0
+    preempted_ms: list[float] = field(default_factory=list)
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    slowest: list[tuple[float, str, str, int]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        def stats(values: list[float]) -> dict[str, float] | None:
+            if not values:
+                return None
+            v = sorted(values)
+            out = {f"p{q}": round(percentile(v, q), 3) for q in PERCENTILES}
+            out["count"] = len(v)
+            out["max"] = round(v[-1], 3)
+            return out
+
+        return {
+            "journeys": self.journeys,
+            "spans": self.spans,
+            "finish_status": dict(self.statuses),
+            "phases_ms": {name: stats(v) for name, v in self.phases_ms.items()},
+            "preemption": {
+                "preempted_requests": self.preempted_requests,
+                "preemptions": self.preemptions,
+                "time_lost_ms_total": round(sum(self.preempted_ms), 3),
+                "time_lost_ms_per_preempted_request": stats(self.preempted_ms),
+            },
+            "tokens": {
+                "input": self.input_tokens,
+                "output": self.output_tokens,
+                "cached_input": self.cached_tokens,
+            },
+            "slowest": [
+                {"duration_ms": round(d, 3), "request_id": rid, "trace_id": tid, "preemptions": n}
+                for d, rid, tid, n in sorted(self.slowest, reverse=True)
+            ],
+        }
+
+
+def summarize(spans: Iterable[FileSpan], top: int = 10) -> Summary:
+    """One pass over the spans; roots and preempted spans are all it keeps."""
+    summary = Summary(phases_ms={name: [] for name, _ in PHASES})
+    roots: dict[str, _Journey] = {}
+    lost_by_parent: dict[str, float] = {}
+    for span in spans:
+        summary.spans += 1
+        if span.name == S.SPAN_REQUEST:
+            roots[span.span_id] = _Journey(
+                str(span.attributes.get(S.REQUEST_ID, "")),
+                span.trace_id,
+                (span.end_unix_ns - span.start_unix_ns) / 1e6,
+                span.attributes,
+            )
+        elif span.name == S.SPAN_PREEMPTED:
+            lost_by_parent[span.parent_span_id] = (
+                lost_by_parent.get(span.parent_span_id, 0.0)
+                + (span.end_unix_ns - span.start_unix_ns) / 1e6
+            )
+    slowest: list[tuple[float, str, str, int]] = []
+    for span_id, j in roots.items():
+        a = j.attrs
+        summary.journeys += 1
+        summary.statuses[str(a.get(S.FINISH_STATUS, "unknown"))] += 1
+        for name, key in PHASES:
+            if key in a:  # missing is not zero: absent intervals are not counted
+                summary.phases_ms[name].append(float(a[key]))
+        n = int(a.get(S.NUM_PREEMPTIONS, 0))
+        if n:
+            summary.preempted_requests += 1
+            summary.preemptions += n
+            summary.preempted_ms.append(lost_by_parent.get(span_id, 0.0))
+        summary.input_tokens += int(a.get(S.GEN_AI_INPUT_TOKENS, 0))
+        summary.output_tokens += int(a.get(S.GEN_AI_OUTPUT_TOKENS, 0))
+        summary.cached_tokens += int(a.get(S.GEN_AI_CACHE_READ_TOKENS, 0))
+        item = (j.duration_ms, j.request_id, j.trace_id, n)
+        if len(slowest) < top:
+            heapq.heappush(slowest, item)
+        else:
+            heapq.heappushpop(slowest, item)
+    summary.slowest = slowest
+    return summary
+
+
+def format_text(d: dict[str, Any]) -> str:
+    """A terminal table of :meth:`Summary.to_dict`."""
+    lines = [
+        f"journeys: {d['journeys']}   spans: {d['spans']}",
+        "finish status: " + ", ".join(f"{k}={v}" for k, v in sorted(d["finish_status"].items())),
+        "",
+        f"{'phase (ms)':<12}{'count':>8}"
+        + "".join(f"{'p' + str(q):>10}" for q in PERCENTILES)
+        + f"{'max':>10}",
+    ]
+    for name, stats in d["phases_ms"].items():
+        if stats is None:
+            lines.append(f"{name:<12}{0:>8}" + f"{'-':>10}" * (len(PERCENTILES) + 1))
+            continue
+        lines.append(
+            f"{name:<12}{stats['count']:>8}"
+            + "".join(f"{stats['p' + str(q)]:>10.2f}" for q in PERCENTILES)
+            + f"{stats['max']:>10.2f}"
+        )
+    p = d["preemption"]
+    lines += [
+        "",
+        f"preempted requests: {p['preempted_requests']}   preemptions: {p['preemptions']}   "
+        f"time lost to preemption: {p['time_lost_ms_total']:.1f} ms",
+        f"tokens: input {d['tokens']['input']} (cached {d['tokens']['cached_input']}), "
+        f"output {d['tokens']['output']}",
+    ]
+    if d["slowest"]:
+        lines += ["", "slowest requests:", f"  {'ms':>10}  {'preempt':>7}  trace_id  request_id"]
+        for s in d["slowest"]:
+            lines.append(
+                f"  {s['duration_ms']:>10.2f}  {s['preemptions']:>7}  {s['trace_id']}  "
+                f"{s['request_id']}"
+            )
+    return "\n".join(lines)

@@ -1,0 +1,148 @@
+"""OTLP/JSON file export, reading it back, the summary and the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from conftest import import_harness, requires_vllm
+from vllm_journey_otel import hooks
+from vllm_journey_otel import schema as S
+from vllm_journey_otel.cli import main as cli_main
+from vllm_journey_otel.config import MODE_THREAD, Config
+from vllm_journey_otel.file_exporter import OtlpJsonFileExporter
+from vllm_journey_otel.otlp_json import json_to_request, spans_to_json
+from vllm_journey_otel.summary import percentile, summarize
+from vllm_journey_otel.tracefile import read_spans
+
+pytestmark = requires_vllm
+harness = import_harness()
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """Journeys of a real Scheduler under KV pressure, in memory and in a trace file."""
+    path = tmp_path_factory.mktemp("tf") / "j.otlp.jsonl"
+    memory = InMemorySpanExporter()
+    assert hooks.install(
+        Config(enabled=True, export_mode=MODE_THREAD),
+        exporters=[memory, OtlpJsonFileExporter(path)],
+        batch=False,
+    )
+    try:
+        e = harness.Engine(
+            num_blocks=12, max_num_batched_tokens=64, max_model_len=512, max_num_seqs=8
+        )
+        for i in range(10):
+            e.add(f"t{i}", prompt_len=20 + 9 * i, max_tokens=20 + 3 * i)
+            e.step()
+        e.add("gone", prompt_len=30, max_tokens=100)
+        e.step()
+        e.abort("gone")
+        e.run()
+        assert hooks.flush(10)
+    finally:
+        hooks.uninstall()
+    return memory.get_finished_spans(), path
+
+
+def test_json_line_is_the_otlp_protobuf(traced) -> None:  # type: ignore[no-untyped-def]
+    spans, _ = traced
+    line = spans_to_json(spans)
+    assert "\n" not in line
+    doc = json.loads(line)
+    first = doc["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+    assert len(first["traceId"]) == 32 and len(first["spanId"]) == 16  # hex, not base64
+    int(first["traceId"], 16)
+    assert json_to_request(line) == encode_spans(spans)
+
+
+def test_file_holds_every_span(traced) -> None:  # type: ignore[no-untyped-def]
+    spans, path = traced
+    back = list(read_spans([path]))
+    assert sorted((s.trace_id, s.span_id) for s in back) == sorted(
+        (f"{s.context.trace_id:032x}", f"{s.context.span_id:016x}") for s in spans
+    )
+    by_id = {s.span_id: s for s in back}
+    for s in spans:
+        f = by_id[f"{s.context.span_id:016x}"]
+        assert (f.start_unix_ns, f.end_unix_ns) == (s.start_time, s.end_time)
+        assert f.attributes == {
+            k: tuple(v) if isinstance(v, tuple) else v for k, v in (s.attributes or {}).items()
+        }
+        assert f.resource[S.RES_SERVICE_NAME] == "vllm"
+
+
+def test_summary_matches_spans(traced) -> None:  # type: ignore[no-untyped-def]
+    spans, path = traced
+    d = summarize(read_spans([path])).to_dict()
+    roots = [s for s in spans if s.name == S.SPAN_REQUEST]
+    assert d["journeys"] == len(roots) == 11
+    assert d["spans"] == len(spans)
+    assert d["finish_status"] == {"length": 10, "aborted": 1}
+    queued = sorted(r.attributes[S.QUEUED_MS] for r in roots if S.QUEUED_MS in r.attributes)
+    assert d["phases_ms"]["queued"]["count"] == len(queued)
+    assert d["phases_ms"]["queued"]["p50"] == round(percentile(queued, 50), 3)
+    assert d["phases_ms"]["decode"]["max"] == round(
+        max(r.attributes[S.DECODE_MS] for r in roots if S.DECODE_MS in r.attributes), 3
+    )
+    preempted = [s for s in spans if s.name == S.SPAN_PREEMPTED]
+    assert preempted, "precondition: the workload preempts"
+    assert d["preemption"]["preemptions"] == len(preempted)
+    lost = sum((s.end_time - s.start_time) / 1e6 for s in preempted)
+    assert d["preemption"]["time_lost_ms_total"] == pytest.approx(lost, abs=0.01)
+    assert d["tokens"]["output"] == sum(r.attributes[S.GEN_AI_OUTPUT_TOKENS] for r in roots)
+    slowest = max(roots, key=lambda r: r.end_time - r.start_time)
+    assert d["slowest"][0]["request_id"] == slowest.attributes[S.REQUEST_ID]
+
+
+def test_rotation_bounds_disk(tmp_path, traced) -> None:  # type: ignore[no-untyped-def]
+    spans, _ = traced
+    exporter = OtlpJsonFileExporter(tmp_path / "r.jsonl", max_bytes=4000, keep=2)
+    for s in spans:
+        exporter.export([s])
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["r.jsonl", "r.jsonl.1", "r.jsonl.2"]
+    assert all((tmp_path / f).stat().st_size <= 4000 for f in files)
+
+
+def test_cli_summary_text_and_json(traced, capsys) -> None:  # type: ignore[no-untyped-def]
+    _, path = traced
+    assert cli_main(["summary", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "journeys: 11" in out and "preempted requests:" in out
+    assert cli_main(["summary", "--json", str(path)]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["journeys"] == 11 and d["bad_lines"] == 0
+
+
+def test_cli_errors(tmp_path, traced, capsys) -> None:  # type: ignore[no-untyped-def]
+    _, path = traced
+    assert cli_main(["summary", str(tmp_path / "missing.jsonl")]) == 2
+    assert "cannot open" in capsys.readouterr().err
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert cli_main(["summary", str(empty)]) == 1
+    assert "no vllm.request spans" in capsys.readouterr().err
+    corrupt = tmp_path / "corrupt.jsonl"
+    corrupt.write_text(path.read_text() + "{not json\n" + path.read_text().splitlines()[0] + "\n")
+    assert cli_main(["summary", "--json", str(corrupt)]) == 0
+    captured = capsys.readouterr()
+    assert f"{corrupt}:{len(path.read_text().splitlines()) + 1}:" in captured.err
+    assert json.loads(captured.out)["bad_lines"] == 1
+
+
+def test_console_script_installed(traced) -> None:  # type: ignore[no-untyped-def]
+    _, path = traced
+    exe = Path(sys.executable).parent / "vllm-journey"
+    out = subprocess.run(
+        [str(exe), "summary", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert "journeys: 11" in out.stdout
