@@ -93,7 +93,7 @@ def main() -> int:
                     model=server.model,
                     messages=[{"role": "user", "content": f"hello {i}"}],
                     max_tokens=32,
-                )  # fmt: skip
+                )
                 for i in range(2)
             ]
             tokens = sum(burst)
