@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/setup_backends.sh      # Phoenix + rotel for the end-to-end tests
+bash scripts/setup_chromium.sh      # headless Chromium for the timeline tests
 bash scripts/fetch_vllm033.sh
 . .venv/bin/activate
 

@@ -415,7 +415,7 @@ def test_trace_context_joined(tracing) -> None:
         },
     )
     e.add("orphan", trace_headers={"traceparent": "00-zzzz-not-a-header"})
-    e.add("plain")
+    e.add("plain", priority=3)
     e.run()
     journeys = tracing.journeys()
     child = journeys["child"].span
@@ -427,6 +427,8 @@ def test_trace_context_joined(tracing) -> None:
         span = journeys[name].span
         assert span.parent is None
         assert span.context.trace_id != int(trace_id, 16)
+    assert journeys["plain"].attrs[S.PRIORITY] == 3
+    assert S.PRIORITY not in journeys["child"].attrs  # 0 is the default: not recorded
     # Every span of the journey is in the client's trace.
     assert {n.span.context.trace_id for n in journeys["child"].children} == {int(trace_id, 16)}
 
@@ -445,3 +447,26 @@ def test_root_starts_at_arrival(tracing) -> None:
     assert j.attrs[S.TTFT_MS] >= 250.0
     assert j.attrs[S.QUEUED_MS] < 250.0
     assert j.attrs[S.CLOCK_UNCERTAINTY_US] >= 0.0
+
+
+def test_preemptions_without_the_private_hook(tracing, monkeypatch) -> None:
+    """A vLLM without Scheduler._preempt_request: preemptions come from SchedulerOutput."""
+    from vllm_journey_otel import hooks
+    from vllm_journey_otel.compat import Support
+
+    hooks.uninstall()
+    monkeypatch.setattr(hooks, "check", lambda version, cls: Support(True, "test", False))
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    original = Scheduler._preempt_request
+    assert hooks.install(hooks.Config(enabled=True), exporters=[tracing.exporter], batch=False)
+    assert Scheduler._preempt_request is original  # not wrapped
+    e = _preemption_engine(async_scheduling=False)
+    e.run()
+    b = e.requests["B"]
+    assert b.num_preemptions >= 1
+    j = tracing.journeys()["B"]
+    check_invariants(j)
+    assert len(j.kids(S.SPAN_PREEMPTED)) == b.num_preemptions
+    # What only the private hook can read is absent, not made up.
+    assert S.KV_CACHE_USAGE not in j.kids(S.SPAN_PREEMPTED)[0].attrs

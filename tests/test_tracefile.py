@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from conftest import import_harness, requires_vllm
+from conftest import REQUIRE_VLLM, import_harness, requires_vllm
 from vllm_journey_otel import hooks
 from vllm_journey_otel import schema as S
+from vllm_journey_otel.cli import CHROMIUM_FLAGS
 from vllm_journey_otel.cli import main as cli_main
 from vllm_journey_otel.config import MODE_THREAD, Config
 from vllm_journey_otel.file_exporter import OtlpJsonFileExporter
@@ -146,3 +150,93 @@ def test_console_script_installed(traced) -> None:  # type: ignore[no-untyped-de
     )
     assert out.returncode == 0, out.stderr
     assert "journeys: 11" in out.stdout
+
+
+# ---------------------------------------------------------------------------
+# timeline
+# ---------------------------------------------------------------------------
+CHROMIUM = shutil.which("chromium")
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None and not REQUIRE_VLLM, reason="chromium not installed"
+)
+
+
+def _chromium(*args: str, timeout: int = 120) -> subprocess.CompletedProcess[str]:
+    assert CHROMIUM is not None, "chromium is required (scripts/setup_chromium.sh)"
+    with tempfile.TemporaryDirectory() as profile:
+        return subprocess.run(
+            [CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--enable-logging=stderr",
+             "--v=0", *args],
+            capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+
+
+@needs_chromium
+def test_timeline_renders_one_row_per_request(traced, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    spans, path = traced
+    html_path = tmp_path / "t.html"
+    png = tmp_path / "t.png"
+    assert cli_main(["timeline", str(path), "-o", str(html_path), "--png", str(png)]) == 0
+    page = html_path.read_text()
+    assert "http://" not in page and "https://" not in page  # self-contained
+    result = _chromium("--dump-dom", html_path.as_uri())
+    dom = result.stdout
+    roots = [s for s in spans if s.name == S.SPAN_REQUEST]
+    ids = re.findall(r'class="row[^"]*" data-request-id="([^"]+)"', dom)
+    assert sorted(ids) == sorted(str(r.attributes[S.REQUEST_ID]) for r in roots)
+    preempted_ids = {
+        str(r.attributes[S.REQUEST_ID]) for r in roots if r.attributes[S.NUM_PREEMPTIONS]
+    }
+    marked = set(re.findall(r'data-request-id="([^"]+)" data-preempted="1"', dom))
+    assert marked == preempted_ids and marked
+    # One red preemption segment per preemption.
+    assert dom.count('class="seg preempted"') == sum(
+        int(r.attributes[S.NUM_PREEMPTIONS]) for r in roots
+    )
+    assert 'class="row aborted" data-request-id="gone"' in dom
+    errors = [l for l in result.stderr.splitlines() if "CONSOLE" in l or "Uncaught" in l]
+    assert not errors, errors
+    assert png.stat().st_size > 5000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_timeline_without_journeys(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("")
+    assert cli_main(["timeline", str(empty), "-o", str(tmp_path / "x.html")]) == 1
+    assert not (tmp_path / "x.html").exists()
+
+
+# ---------------------------------------------------------------------------
+# replay
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_replay_gives_back_the_same_spans(traced, protocol, capsys) -> None:  # type: ignore[no-untyped-def]
+    from otlp_receiver import running_receiver
+
+    _, path = traced
+    for receiver in running_receiver():
+        port = receiver.grpc_port if protocol == "grpc" else receiver.http_port
+        endpoint = f"http://127.0.0.1:{port}"
+        assert cli_main(["replay", str(path), "--endpoint", endpoint, "--protocol", protocol]) == 0
+        sent = [json_to_request(line) for line in path.read_text().splitlines() if line]
+        assert receiver.requests == sent
+    assert "sent" in capsys.readouterr().out
+
+
+def test_replay_unreachable_endpoint(traced, capsys) -> None:  # type: ignore[no-untyped-def]
+    from services import free_port
+
+    _, path = traced
+    port = free_port()
+    code = cli_main(
+        [
+            "replay",
+            str(path),
+            "--endpoint",
+            f"http://127.0.0.1:{port}",
+            "--protocol",
+            "http/protobuf",
+        ]
+    )
+    assert code == 3
+    assert "failed" in capsys.readouterr().err

@@ -1,41 +1,100 @@
-"""``vllm-journey``: summarise journeys from OTLP/JSON trace files.
+"""``vllm-journey``: summarise, draw and replay journeys from OTLP/JSON trace files.
 
 Exit codes: 0 ok; 1 the files held no journey; 2 usage error or an unreadable
-file. Bad lines are reported on stderr (file:line) and skipped.
+file; 3 a replay that could not reach its endpoint, or a --png without Chromium.
+Bad lines are reported on stderr (file:line) and skipped.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Sequence
+from pathlib import Path
 
+from .replay import PROTOCOLS, replay
 from .summary import format_text, summarize
+from .timeline import collect, render
 from .tracefile import TraceFileError, read_spans
+
+# Headless Chromium with no network chatter (the machine may have no network).
+CHROMIUM_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+)
 
 EXIT_OK = 0
 EXIT_EMPTY = 1
 EXIT_USAGE = 2
+EXIT_UNAVAILABLE = 3
+MAX_REPORTED = 20
+
+
+class _Errors:
+    """Collects bad-line messages; prints the first few to stderr."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, message: str) -> None:
+        self.count += 1
+        if self.count <= MAX_REPORTED:
+            print(f"vllm-journey: {message}", file=sys.stderr)
+
+    def done(self) -> None:
+        if self.count > MAX_REPORTED:
+            print(f"vllm-journey: ... {self.count} bad lines in all", file=sys.stderr)
+
+
+class _Progress:
+    """Bytes read so far, on stderr, when it is a terminal."""
+
+    def __init__(self, files: Sequence[str]) -> None:
+        self.total = sum(Path(f).stat().st_size for f in files if Path(f).is_file())
+        self.enabled = sys.stderr.isatty() and self.total > 8 * 1024 * 1024
+        self.last = 0.0
+
+    def __call__(self, done: int) -> None:
+        now = time.monotonic()
+        if self.enabled and now - self.last > 0.25:
+            self.last = now
+            pct = 100 * done / max(1, self.total)
+            print(
+                f"\rreading {done >> 20} / {self.total >> 20} MiB ({pct:.0f}%)",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def done(self) -> None:
+        if self.enabled:
+            print("\r" + " " * 60 + "\r", end="", file=sys.stderr, flush=True)
 
 
 def _summary(args: argparse.Namespace) -> int:
-    bad: list[str] = []
-
-    def on_error(message: str) -> None:
-        bad.append(message)
-        if len(bad) <= 20:
-            print(f"vllm-journey: {message}", file=sys.stderr)
-
+    errors, progress = _Errors(), _Progress(args.files)
     try:
-        summary = summarize(read_spans(args.files, on_error), top=args.top)
+        summary = summarize(read_spans(args.files, errors, progress), top=args.top)
     except TraceFileError as e:
         print(f"vllm-journey: {e}", file=sys.stderr)
         return EXIT_USAGE
-    if len(bad) > 20:
-        print(f"vllm-journey: ... {len(bad)} bad lines in all", file=sys.stderr)
+    finally:
+        progress.done()
+    errors.done()
     d = summary.to_dict()
-    d["bad_lines"] = len(bad)
+    d["bad_lines"] = errors.count
     if args.json:
         print(json.dumps(d, indent=2))
     else:
@@ -44,6 +103,61 @@ def _summary(args: argparse.Namespace) -> int:
         print("vllm-journey: no vllm.request spans found", file=sys.stderr)
         return EXIT_EMPTY
     return EXIT_OK
+
+
+def _timeline(args: argparse.Namespace) -> int:
+    errors, progress = _Errors(), _Progress(args.files)
+    try:
+        rows, total = collect(read_spans(args.files, errors, progress), limit=args.limit)
+    except TraceFileError as e:
+        print(f"vllm-journey: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    finally:
+        progress.done()
+    errors.done()
+    if not rows:
+        print("vllm-journey: no vllm.request spans found", file=sys.stderr)
+        return EXIT_EMPTY
+    out = Path(args.output)
+    out.write_text(render(rows, total), encoding="utf-8")
+    print(f"{out}: {len(rows)} of {total} journeys")
+    if args.png:
+        chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+        if chromium is None:
+            print("vllm-journey: --png needs Chromium (apt-get install chromium)", file=sys.stderr)
+            return EXIT_UNAVAILABLE
+        height = min(16000, 160 + 17 * len(rows))
+        with tempfile.TemporaryDirectory() as profile:
+            subprocess.run(
+                [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}",
+                 f"--window-size=1400,{height}", f"--screenshot={Path(args.png).resolve()}",
+                 out.resolve().as_uri()],
+                capture_output=True, timeout=120, check=False,
+            )  # fmt: skip
+        if not Path(args.png).exists():
+            print("vllm-journey: Chromium wrote no screenshot", file=sys.stderr)
+            return EXIT_UNAVAILABLE
+        print(f"{args.png}: rendered")
+    return EXIT_OK
+
+
+def _replay(args: argparse.Namespace) -> int:
+    for f in args.files:
+        if not Path(f).is_file():
+            print(f"vllm-journey: {f}: cannot open", file=sys.stderr)
+            return EXIT_USAGE
+    errors = _Errors()
+    try:
+        sent, spans = replay(args.files, args.endpoint, args.protocol, on_error=errors)
+    except ValueError as e:
+        print(f"vllm-journey: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as e:
+        print(f"vllm-journey: replay to {args.endpoint} failed: {e}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    errors.done()
+    print(f"sent {spans} spans in {sent} requests to {args.endpoint} ({args.protocol})")
+    return EXIT_OK if sent else EXIT_EMPTY
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +170,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.add_argument("--top", type=int, default=10, help="slowest requests to list")
     s.set_defaults(func=_summary)
+    t = sub.add_parser("timeline", help="a self-contained HTML page of every journey")
+    t.add_argument("files", nargs="+", help="OTLP/JSON-lines trace files")
+    t.add_argument("-o", "--output", default="journeys.html", help="HTML file to write")
+    t.add_argument("--limit", type=int, default=2000, help="rows to draw (slowest kept)")
+    t.add_argument("--png", help="also render to this PNG with headless Chromium")
+    t.set_defaults(func=_timeline)
+    r = sub.add_parser("replay", help="send trace files to an OTLP endpoint")
+    r.add_argument("files", nargs="+", help="OTLP/JSON-lines trace files")
+    r.add_argument("--endpoint", required=True, help="e.g. http://127.0.0.1:4317")
+    r.add_argument("--protocol", default="grpc", choices=PROTOCOLS)
+    r.set_defaults(func=_replay)
     return parser
 
 

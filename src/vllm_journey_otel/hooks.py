@@ -265,7 +265,8 @@ class SchedulerTracker:
                 req = requests.get(rid)
                 j = getattr(req, JOURNEY_ATTR, None)
                 if j is not None:
-                    j.preempted(t, step, j.prefill_hwm, req.num_output_tokens, -1.0, -1, -1)
+                    # KV usage and queue lengths at the moment are unknown here.
+                    j.preempted(t, step, j.prefill_hwm, req.num_output_tokens, None, None, None)
         awaiting = self.awaiting
         new_ids = [nr.req_id for nr in out.scheduled_new_reqs]
         # V1 model runner: resumed requests are listed apart. V2 runner (0.33's GPU

@@ -87,13 +87,17 @@ class FirstToken(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=2):
 
 
 class Preempted(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=3):
-    """The cycle ended by preemption. ``kv_cache_usage`` is 0..1 at that moment."""
+    """The cycle ended by preemption. ``kv_cache_usage`` is 0..1 at that moment.
+
+    The last three are None when not observed (a vLLM without the private
+    ``_preempt_request`` hook): missing is not zero.
+    """
 
     at: Snapshot
     prefill_chunks: int
-    kv_cache_usage: float
-    num_running: int
-    num_waiting: int
+    kv_cache_usage: float | None
+    num_running: int | None
+    num_waiting: int | None
 
 
 Event = Scheduled | FirstToken | Preempted
@@ -274,9 +278,9 @@ class RequestJourney:
         step: int,
         computed_tokens: int,
         output_tokens: int,
-        kv_cache_usage: float,
-        num_running: int,
-        num_waiting: int,
+        kv_cache_usage: float | None,
+        num_running: int | None,
+        num_waiting: int | None,
     ) -> None:
         """The running cycle ends by preemption (``computed_tokens`` read before vLLM resets it)."""
         if self.state != RUNNING:

@@ -151,17 +151,14 @@ def plan_spans(j: FinishedJourney, offset_ns: int, uncertainty_ns: int = 0) -> l
                 close(phase_idx, ev.at)
             close(cycle_idx, ev.at)
             cycle_idx = phase_idx = None
+            observed = (
+                (S.KV_CACHE_USAGE, ev.kv_cache_usage),
+                (S.NUM_RUNNING, ev.num_running),
+                (S.NUM_WAITING, ev.num_waiting),
+            )
             plan.append(
                 PlannedSpan(
-                    S.SPAN_PREEMPTED,
-                    t,
-                    t,
-                    ROOT,
-                    {
-                        S.KV_CACHE_USAGE: ev.kv_cache_usage,
-                        S.NUM_RUNNING: ev.num_running,
-                        S.NUM_WAITING: ev.num_waiting,
-                    },
+                    S.SPAN_PREEMPTED, t, t, ROOT, {k: v for k, v in observed if v is not None}
                 )
             )
             preempt_idx = len(plan) - 1

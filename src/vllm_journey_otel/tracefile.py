@@ -39,8 +39,11 @@ class FileSpan:
 def read_spans(
     paths: Iterable[str | Path],
     on_error: Callable[[str], None] | None = None,
+    on_progress: Callable[[int], None] | None = None,
 ) -> Iterator[FileSpan]:
-    """Every span of every file, in file order. Bad lines go to ``on_error``."""
+    """Every span of every file, in file order. Bad lines go to ``on_error``;
+    ``on_progress`` gets the bytes read so far every 1,000 lines."""
+    done = 0
     for path in paths:
         p = Path(path)
         try:
@@ -49,6 +52,9 @@ def read_spans(
             raise TraceFileError(f"{p}: cannot open: {e.strerror or e}") from e
         with f:
             for lineno, line in enumerate(f, 1):
+                done += len(line)
+                if on_progress is not None and lineno % 1000 == 0:
+                    on_progress(done)
                 if not line.strip():
                     continue
                 try:
