@@ -194,7 +194,7 @@ def test_timeline_renders_one_row_per_request(traced, tmp_path) -> None:  # type
         int(r.attributes[S.NUM_PREEMPTIONS]) for r in roots
     )
     assert 'class="row aborted" data-request-id="gone"' in dom
-    errors = [l for l in result.stderr.splitlines() if "CONSOLE" in l or "Uncaught" in l]
+    errors = [x for x in result.stderr.splitlines() if "CONSOLE" in x or "Uncaught" in x]
     assert not errors, errors
     assert png.stat().st_size > 5000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
