@@ -415,3 +415,48 @@ def test_with_vllm_tracing_and_truth_check(model_dir, receiver, tmp_path) -> Non
     for name in ("queued", "prefill", "decode"):
         assert report[name][1] < 5.0, (name, report)
     assert report["ttft"][1] < 25.0, report
+
+
+# ---------------------------------------------------------------------------
+# The embedded default: a trace file, summarised by the CLI
+# ---------------------------------------------------------------------------
+def test_trace_file_and_summary(model_dir, receiver, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from vllm_journey_otel.summary import summarize
+    from vllm_journey_otel.tracefile import read_spans
+
+    trace_file = tmp_path / "journeys.otlp.jsonl"
+    server = start_server(
+        model_dir, tmp_path, receiver, "3proc",
+        env={"OTEL_TRACES_EXPORTER": "otlp_json_file", "VLLM_JOURNEY_OTEL_FILE": str(trace_file)},
+    )  # fmt: skip
+    try:
+        c = client(server)
+        with ThreadPoolExecutor(4) as pool:
+            usages = list(
+                pool.map(
+                    lambda i: c.completions.create(
+                        model=server.model, prompt=f"file {i}", max_tokens=5 + i,
+                        extra_body={"ignore_eos": True},
+                    ).usage,
+                    range(8),
+                )
+            )  # fmt: skip
+    finally:
+        server.stop()
+
+    def complete() -> dict[str, object]:
+        if not trace_file.exists():
+            return {}
+        d = summarize(read_spans([trace_file])).to_dict()
+        return d if d["journeys"] == 8 else {}
+
+    d = wait_until(complete, 30, 0.5, "8 journeys in the trace file")
+    assert d["finish_status"] == {"length": 8}
+    assert d["tokens"]["output"] == sum(u.completion_tokens for u in usages)
+    assert d["tokens"]["input"] == sum(u.prompt_tokens for u in usages)
+    assert d["phases_ms"]["decode"]["count"] == 8
+    roots = [s for s in read_spans([trace_file]) if s.name == S.SPAN_REQUEST]
+    # The file exporter replaced OTLP: none of these traces reached the receiver.
+    assert not {s.context.trace_id for s in wire_spans(receiver)} & {
+        int(r.trace_id, 16) for r in roots
+    }

@@ -55,6 +55,7 @@ from .journey import (
 )
 from .pipeline import JourneyPipeline
 from .provider import make_tracer_provider, sdk_disabled
+from .sampling import HeadSampler, TailRule
 from .sinks import PipeSink, Sink, SpanSink
 
 _now = time.monotonic_ns
@@ -105,6 +106,8 @@ class _State:
         self.failed = False
         # Every live tracker, so a failure can drop their state at once.
         self.trackers: weakref.WeakSet[SchedulerTracker] = weakref.WeakSet()
+        self.head = HeadSampler()
+        self.tail = TailRule()
 
 
 _STATE = _State()
@@ -201,6 +204,7 @@ class SchedulerTracker:
         "__weakref__",
         "awaiting",
         "finished_in_update",
+        "head",
         "hook_preempt",
         "in_update",
         "last_update_ids",
@@ -209,6 +213,7 @@ class SchedulerTracker:
         "scheduler",
         "status_map",
         "step",
+        "tail",
         "update_mono_ns",
     )
 
@@ -217,6 +222,8 @@ class SchedulerTracker:
         self.pipeline = pipeline
         self.hook_preempt = hook_preempt
         self.status_map = _STATE.status_map
+        self.head = _STATE.head
+        self.tail = _STATE.tail
         self.step = 0
         # request id -> (Request, RequestJourney) for requests whose current cycle
         # has no token yet (or that were preempted before their first token).
@@ -236,6 +243,9 @@ class SchedulerTracker:
     def after_add(self, request: Any, known: bool) -> None:
         if known:
             return
+        sampled = self.head.sampled(request.trace_headers)
+        if not sampled and not self.tail.active:
+            return  # an unsampled request costs this decision and nothing else
         sp = request.sampling_params
         lora = request.lora_request
         setattr(
@@ -251,6 +261,7 @@ class SchedulerTracker:
                 request.priority,
                 lora.lora_name if lora is not None else None,
                 request.trace_headers,
+                sampled,
             ),
         )
 
@@ -366,12 +377,20 @@ class SchedulerTracker:
         j.tokens(t, self.step, out_tokens)
         status, reason = self.status_map.get(request.status, (STATUS_ABORTED, "abort"))
         finished = j.finish(t, self.step, status, reason, out_tokens, last)
-        if finished is not None:
-            self.pipeline.submit(finished)
-            if self.in_update:
-                self.finished_in_update += 1
-            else:
-                self.pipeline.kick()
+        if finished is None:
+            return
+        if not finished.head_sampled and not self.tail.keeps(
+            status == STATUS_ERROR,
+            status == STATUS_ABORTED,
+            finished.end.num_preemptions,
+            t - finished.admitted.t_mono_ns,
+        ):
+            return  # dropped by head sampling, not kept by the tail rule
+        self.pipeline.submit(finished)
+        if self.in_update:
+            self.finished_in_update += 1
+        else:
+            self.pipeline.kick()
 
 
 # ---------------------------------------------------------------------------
@@ -621,6 +640,8 @@ def install(
     config: Config,
     exporters: Sequence[SpanExporter] | None = None,
     batch: bool = True,
+    head: HeadSampler | None = None,
+    tail: TailRule | None = None,
 ) -> bool:
     """Wrap the Scheduler's methods once per process. Returns True when tracing is on.
 
@@ -646,6 +667,9 @@ def install(
             _STATE.exporters = exporters
             _STATE.batch = batch
             _STATE.status_map = _status_map(request_status)
+            # Read once per process; trackers built from now on use them.
+            _STATE.head = head if head is not None else HeadSampler.from_env(os.environ)
+            _STATE.tail = tail if tail is not None else TailRule.from_env(os.environ)
             if not _STATE.installed:
                 for name, make in _WRAPPERS.items():
                     if name == "_preempt_request" and not support.hook_preempt:
@@ -688,8 +712,8 @@ def _signature_has(cls: type | None, name: str, param: str) -> bool:
         return False
 
 
-def uninstall(timeout_s: float = 5.0) -> None:
-    """Restore every original method and shut the pipeline down (tests)."""
+def unwrap() -> None:
+    """Restore every original method; the pipeline stays (benchmarks toggle with this)."""
     with _STATE.lock:
         for (cls, name), (orig, own) in _STATE.originals.items():
             if own:
@@ -699,6 +723,12 @@ def uninstall(timeout_s: float = 5.0) -> None:
         _STATE.originals.clear()
         _STATE.installed = False
         _STATE.enabled = False
+
+
+def uninstall(timeout_s: float = 5.0) -> None:
+    """Restore every original method and shut the pipeline down (tests)."""
+    unwrap()
+    with _STATE.lock:
         pipeline, _STATE.pipeline = _STATE.pipeline, None
     if pipeline is not None:
         pipeline.shutdown(timeout_s)

@@ -129,6 +129,8 @@ class FinishedJourney(msgspec.Struct, frozen=True, array_like=True, gc=False):
     priority: int = 0
     lora_name: str | None = None
     trace_headers: dict[str, str] | None = None
+    # False: head sampling dropped it and the tail rule kept it.
+    head_sampled: bool = True
 
 
 class RequestJourney:
@@ -146,6 +148,7 @@ class RequestJourney:
         "decoding",
         "events",
         "first_token_mono_ns",
+        "head_sampled",
         "last_cycle_step",
         "lora_name",
         "max_tokens",
@@ -171,8 +174,10 @@ class RequestJourney:
         priority: int = 0,
         lora_name: str | None = None,
         trace_headers: Mapping[str, str] | None = None,
+        head_sampled: bool = True,
     ) -> None:
         self.request_id = request_id
+        self.head_sampled = head_sampled
         self.arrival_time_s = arrival_time_s
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
@@ -329,6 +334,7 @@ class RequestJourney:
             priority=self.priority,
             lora_name=self.lora_name,
             trace_headers=dict(self.trace_headers) if self.trace_headers else None,
+            head_sampled=self.head_sampled,
         )
         self.state = FINISHED
         self.events = []

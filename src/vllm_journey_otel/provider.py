@@ -1,5 +1,8 @@
 """A private OpenTelemetry TracerProvider configured from the standard OTEL_* variables.
 
+Its sampler is always-on: head sampling and the tail rule are decided per
+request in the engine (``sampling.py``), from the same OTEL_TRACES_SAMPLER values.
+
 Private: never installed as the global provider, since vLLM may have set its own
 (``--otlp-traces-endpoint``) and the two must not fight. Everything the SDK reads
 itself (endpoint, headers, TLS, timeouts, OTEL_BSP_*, OTEL_TRACES_SAMPLER,
@@ -25,6 +28,7 @@ from opentelemetry.sdk.trace.export import (
     SimpleSpanProcessor,
     SpanExporter,
 )
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.util.types import AttributeValue
 
 from . import schema as S
@@ -84,7 +88,8 @@ def make_tracer_provider(
 
     ``batch=False`` uses a SimpleSpanProcessor (tests with an in-memory exporter).
     """
-    provider = TracerProvider(resource=make_resource(resource_attributes))
+    # Sampling was decided per request in the engine (sampling.py): build all.
+    provider = TracerProvider(resource=make_resource(resource_attributes), sampler=ALWAYS_ON)
     if exporters is None:
         exporters = build_exporters()
         if not exporters:

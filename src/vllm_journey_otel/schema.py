@@ -76,6 +76,7 @@ TTFT_MS: Final = "vllm.journey.ttft_ms"
 PREFILL_MS: Final = "vllm.journey.prefill_ms"
 DECODE_MS: Final = "vllm.journey.decode_ms"
 CLOCK_UNCERTAINTY_US: Final = "vllm.journey.clock_uncertainty_us"
+SAMPLED_BY: Final = "vllm.journey.sampled_by"
 # NUM_PREEMPTIONS (above) is on the root too.
 
 # ---------------------------------------------------------------------------
@@ -98,6 +99,9 @@ SCHEDULE_RESUME: Final = "RESUME"
 
 PHASE_PREFILL: Final = "PREFILL"
 PHASE_DECODE: Final = "DECODE"
+
+SAMPLED_HEAD: Final = "head"
+SAMPLED_TAIL: Final = "tail"
 
 FINISH_STOPPED: Final = "stopped"
 FINISH_LENGTH: Final = "length"
@@ -148,6 +152,12 @@ ATTRIBUTES: Final[tuple[AttributeSpec, ...]] = (
     AttributeSpec(DECODE_MS, (SPAN_REQUEST,), "double", "first token to last token"),
     AttributeSpec(
         CLOCK_UNCERTAINTY_US, (SPAN_REQUEST,), "double", "half-width of the clock anchor"
+    ),
+    AttributeSpec(
+        SAMPLED_BY,
+        (SPAN_REQUEST,),
+        "string",
+        "head (sampled at admission) or tail (kept by the tail rule)",
     ),
     AttributeSpec(
         NUM_PREEMPTIONS,

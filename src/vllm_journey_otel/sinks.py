@@ -37,7 +37,7 @@ from . import schema as S
 from .clock import ClockAnchor
 from .config import logger
 from .journey import FinishedJourney
-from .spans import emit_spans, parent_context, plan_spans
+from .spans import emit_spans, plan_spans, root_context
 
 FRAME_HEADER = struct.Struct("<I")
 # Frames larger than this are refused by the reader (a corrupt length).
@@ -75,7 +75,7 @@ class SpanSink:
             try:
                 anchor = self._clock.anchor
                 plan = plan_spans(journey, anchor.offset_ns, anchor.uncertainty_ns)
-                emit_spans(plan, self._tracer, parent_context(journey.trace_headers))
+                emit_spans(plan, self._tracer, *root_context(journey))
             except Exception:
                 failed += 1
                 if self.failed + failed == 1:

@@ -193,6 +193,7 @@ def _root_attributes(
         S.FINISH_STATUS: S.FINISH_STATUSES[j.status],
         S.NUM_PREEMPTIONS: j.end.num_preemptions,
         S.CLOCK_UNCERTAINTY_US: uncertainty_ns / 1e3,
+        S.SAMPLED_BY: S.SAMPLED_HEAD if j.head_sampled else S.SAMPLED_TAIL,
     }
     if j.max_tokens is not None:
         attrs[S.GEN_AI_MAX_TOKENS] = j.max_tokens
@@ -228,8 +229,26 @@ def parent_context(trace_headers: dict[str, str] | None) -> otel_context.Context
     return _PROPAGATOR.extract(trace_headers, context=otel_context.Context())
 
 
+def root_context(j: FinishedJourney) -> tuple[otel_context.Context, list[trace.Link]]:
+    """Parent context and links of a journey's root.
+
+    Head-sampled: a child of the client's span. Kept by the tail rule: the client's
+    trace was not sampled (its spans are not exported), so a new root with a link
+    to the client's span.
+    """
+    parent = parent_context(j.trace_headers)
+    if j.head_sampled:
+        return parent, []
+    client = trace.get_current_span(parent).get_span_context()
+    links = [trace.Link(client)] if client.is_valid else []
+    return otel_context.Context(), links
+
+
 def emit_spans(
-    plan: Sequence[PlannedSpan], tracer: trace.Tracer, parent: otel_context.Context
+    plan: Sequence[PlannedSpan],
+    tracer: trace.Tracer,
+    parent: otel_context.Context,
+    links: Sequence[trace.Link] = (),
 ) -> None:
     """Create and end every planned span with its explicit times."""
     spans: list[trace.Span] = []
@@ -240,6 +259,7 @@ def emit_spans(
             context=ctx,
             kind=p.kind,
             attributes=p.attributes,
+            links=links if p.parent is None else (),
             start_time=p.start_unix_ns,
             record_exception=False,
             set_status_on_exception=False,

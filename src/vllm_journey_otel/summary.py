@@ -10,7 +10,7 @@ import heapq
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import schema as S
 from .tracefile import FileSpan
@@ -32,12 +32,33 @@ def percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[k]
 
 
-@dataclass
-class _Journey:
+class _Journey(NamedTuple):
+    """What the summary needs of one root: a few numbers, not its attribute dict."""
+
     request_id: str
     trace_id: str
     duration_ms: float
-    attrs: dict[str, Any]
+    status: str
+    phases: tuple[float | None, ...]
+    preemptions: int
+    input_tokens: int
+    output_tokens: int
+    cached_tokens: int
+
+
+def _journey(span: FileSpan) -> _Journey:
+    a = span.attributes
+    return _Journey(
+        str(a.get(S.REQUEST_ID, "")),
+        span.trace_id,
+        (span.end_unix_ns - span.start_unix_ns) / 1e6,
+        str(a.get(S.FINISH_STATUS, "unknown")),
+        tuple(float(a[key]) if key in a else None for _, key in PHASES),
+        int(a.get(S.NUM_PREEMPTIONS, 0)),
+        int(a.get(S.GEN_AI_INPUT_TOKENS, 0)),
+        int(a.get(S.GEN_AI_OUTPUT_TOKENS, 0)),
+        int(a.get(S.GEN_AI_CACHE_READ_TOKENS, 0)),
+    )
 
 
 @dataclass
@@ -97,12 +118,7 @@ def summarize(spans: Iterable[FileSpan], top: int = 10) -> Summary:
     for span in spans:
         summary.spans += 1
         if span.name == S.SPAN_REQUEST:
-            roots[span.span_id] = _Journey(
-                str(span.attributes.get(S.REQUEST_ID, "")),
-                span.trace_id,
-                (span.end_unix_ns - span.start_unix_ns) / 1e6,
-                span.attributes,
-            )
+            roots[span.span_id] = _journey(span)
         elif span.name == S.SPAN_PREEMPTED:
             lost_by_parent[span.parent_span_id] = (
                 lost_by_parent.get(span.parent_span_id, 0.0)
@@ -110,21 +126,19 @@ def summarize(spans: Iterable[FileSpan], top: int = 10) -> Summary:
             )
     slowest: list[tuple[float, str, str, int]] = []
     for span_id, j in roots.items():
-        a = j.attrs
         summary.journeys += 1
-        summary.statuses[str(a.get(S.FINISH_STATUS, "unknown"))] += 1
-        for name, key in PHASES:
-            if key in a:  # missing is not zero: absent intervals are not counted
-                summary.phases_ms[name].append(float(a[key]))
-        n = int(a.get(S.NUM_PREEMPTIONS, 0))
-        if n:
+        summary.statuses[j.status] += 1
+        for (name, _), value in zip(PHASES, j.phases, strict=True):
+            if value is not None:  # missing is not zero: absent intervals are not counted
+                summary.phases_ms[name].append(value)
+        if j.preemptions:
             summary.preempted_requests += 1
-            summary.preemptions += n
+            summary.preemptions += j.preemptions
             summary.preempted_ms.append(lost_by_parent.get(span_id, 0.0))
-        summary.input_tokens += int(a.get(S.GEN_AI_INPUT_TOKENS, 0))
-        summary.output_tokens += int(a.get(S.GEN_AI_OUTPUT_TOKENS, 0))
-        summary.cached_tokens += int(a.get(S.GEN_AI_CACHE_READ_TOKENS, 0))
-        item = (j.duration_ms, j.request_id, j.trace_id, n)
+        summary.input_tokens += j.input_tokens
+        summary.output_tokens += j.output_tokens
+        summary.cached_tokens += j.cached_tokens
+        item = (j.duration_ms, j.request_id, j.trace_id, j.preemptions)
         if len(slowest) < top:
             heapq.heappush(slowest, item)
         else:

@@ -1,0 +1,163 @@
+"""Engine-thread overhead of journey tracing on a real vLLM Scheduler.
+
+For each batch size (running requests), three engines run side by side in one
+process, interleaved block by block so machine noise hits all alike:
+
+* ``off``: the plugin's wrappers removed (vLLM's own methods);
+* ``on``: every journey recorded and exported (to an OTLP receiver in a child
+  process... here: the detached exporter process with OTEL_TRACES_EXPORTER=none,
+  so the engine side does all its real work: record, encode, pipe);
+* ``ratio0``: head sampling ratio 0 (only the tail rule's journeys exported).
+
+Only the scheduler's own calls are timed (``schedule`` + ``update_from_output``);
+building the fabricated model output is not. Churn: requests finish every step
+(max_tokens 32..160) and new ones arrive to keep the batch full; the KV cache is
+sized for about 90 % of the peak so some requests are preempted.
+
+    .venv/bin/python benchmarks/scheduler_bench.py [--sizes 64,256,1024] [--blocks 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+os.environ.setdefault("OTEL_TRACES_EXPORTER", "none")
+
+import harness  # noqa: E402
+from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+
+from vllm_journey_otel import hooks  # noqa: E402
+from vllm_journey_otel.config import Config  # noqa: E402
+
+PROMPT = 64
+
+
+class Driver:
+    """One engine with its own churn and its own step timings."""
+
+    def __init__(self, name: str, n: int, seed: int) -> None:
+        self.name = name
+        self.n = n
+        self.rng = random.Random(seed)
+        blocks_per_req = (PROMPT + 160) // harness.BLOCK_SIZE + 1
+        self.engine = harness.Engine(
+            max_num_seqs=n,
+            max_num_batched_tokens=max(2048, 4 * n),
+            max_model_len=1024,
+            num_blocks=int(n * blocks_per_req * 0.7) + 64,
+        )
+        self.next_id = 0
+        self.times: list[float] = []
+        self.finished = 0
+        self.steps = 0
+
+    def top_up(self) -> None:
+        s = self.engine.scheduler
+        while len(s.requests) < self.n + self.n // 8:
+            rid = f"{self.name}-{self.next_id}"
+            self.next_id += 1
+            prompt = [self.rng.randint(10, 1000) for _ in range(PROMPT)]
+            self.engine.add(rid, prompt=prompt, max_tokens=self.rng.randint(32, 160))
+            self.engine.requests.pop(rid, None)  # keep the harness from holding requests
+
+    def step(self) -> None:
+        s = self.engine.scheduler
+        self.top_up()
+        before = len(s.requests)
+        t0 = time.perf_counter()
+        so = s.schedule()
+        t1 = time.perf_counter()
+        ids = list(so.num_scheduled_tokens)
+        sampled = [[7] if not s.requests[r].is_prefill_chunk else [] for r in ids]
+        mro = ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled
+        )
+        t2 = time.perf_counter()
+        s.update_from_output(so, mro)
+        t3 = time.perf_counter()
+        self.times.append((t1 - t0) + (t3 - t2))
+        self.finished += before - len(s.requests)
+        self.steps += 1
+
+
+def run(n: int, blocks: int, steps_per_block: int, warmup: int) -> dict[str, object]:
+    on_cfg = Config(enabled=True)
+    # Build each engine in its mode (the tracker is attached at construction).
+    hooks.unwrap()
+    off = Driver("off", n, 1)
+    hooks.install(on_cfg)
+    on = Driver("on", n, 1)
+    drivers = [off, on]
+    for d in drivers:
+        if d is off:
+            hooks.unwrap()
+        else:
+            hooks.install(on_cfg)
+        for _ in range(warmup):
+            d.step()
+        d.times.clear()
+        d.finished = d.steps = 0
+    per_block: dict[str, list[float]] = {d.name: [] for d in drivers}
+    gc.collect()
+    for b in range(blocks):
+        order = drivers if b % 2 == 0 else list(reversed(drivers))
+        for d in order:
+            if d is off:
+                hooks.unwrap()
+            else:
+                hooks.install(on_cfg)
+            start = len(d.times)
+            for _ in range(steps_per_block):
+                d.step()
+            per_block[d.name].append(statistics.median(d.times[start:]))
+    hooks.install(on_cfg)
+    ratios = [a / b for a, b in zip(per_block["on"], per_block["off"], strict=True)]
+    mean_off = statistics.fmean(off.times)
+    mean_on = statistics.fmean(on.times)
+    extra_s = (mean_on - mean_off) * on.steps
+    return {
+        "running": n,
+        "steps_per_mode": on.steps,
+        "step_ms_median": {d.name: round(statistics.median(d.times) * 1e3, 3) for d in drivers},
+        "ratio_on_off_median": round(statistics.median(ratios), 4),
+        "ratio_on_off_p10_p90": [
+            round(sorted(ratios)[len(ratios) // 10], 4),
+            round(sorted(ratios)[(9 * len(ratios)) // 10], 4),
+        ],
+        "journeys_finished": {d.name: d.finished for d in drivers},
+        "engine_us_per_journey": round(extra_s / max(1, on.finished) * 1e6, 2),
+        "preemptions": sum(
+            1 for _ in ()
+        ),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="64,256,1024")
+    ap.add_argument("--blocks", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=40, help="steps per block")
+    ap.add_argument("--warmup", type=int, default=60)
+    args = ap.parse_args()
+    results = []
+    for n in (int(x) for x in args.sizes.split(",")):
+        r = run(n, args.blocks, args.steps, args.warmup)
+        print(json.dumps(r), flush=True)
+        results.append(r)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"peak_rss_mib": round(rss, 1)}))
+    hooks.uninstall()
+
+
+if __name__ == "__main__":
+    main()

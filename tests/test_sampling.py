@@ -1,0 +1,138 @@
+"""Head sampling at admission and the in-engine tail rule."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from conftest import import_harness, requires_vllm
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from vllm_journey_otel import hooks
+from vllm_journey_otel import schema as S
+from vllm_journey_otel.config import MODE_THREAD, Config
+from vllm_journey_otel.sampling import HeadSampler, TailRule
+
+TRACE = "0af7651916cd43dd8448eb211c80319c"
+SPAN = "b7ad6b7169203331"
+
+
+def tp(flags: str) -> dict[str, str]:
+    return {"traceparent": f"00-{TRACE}-{SPAN}-{flags}"}
+
+
+@pytest.mark.parametrize(
+    ("env", "parent_based", "ratio"),
+    [
+        ({}, True, 1.0),
+        ({"OTEL_TRACES_SAMPLER": "always_off"}, False, 0.0),
+        ({"OTEL_TRACES_SAMPLER": "parentbased_always_off"}, True, 0.0),
+        ({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.25"}, False, 0.25),
+        (
+            {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0"},
+            True,
+            0.0,
+        ),
+    ],
+)
+def test_head_sampler_from_standard_variables(env, parent_based, ratio) -> None:  # type: ignore[no-untyped-def]
+    assert HeadSampler.from_env(env) == HeadSampler(parent_based, ratio)
+
+
+def test_head_sampler_bad_values_warn(caplog) -> None:  # type: ignore[no-untyped-def]
+    with caplog.at_level(logging.WARNING, logger="vllm.journey_otel"):
+        assert HeadSampler.from_env({"OTEL_TRACES_SAMPLER": "sometimes"}) == HeadSampler()
+        assert HeadSampler.from_env(
+            {"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "2"}
+        ) == HeadSampler(False, 1.0)
+    assert "OTEL_TRACES_SAMPLER" in caplog.text and "OTEL_TRACES_SAMPLER_ARG" in caplog.text
+
+
+def test_head_sampler_follows_the_parent_flag() -> None:
+    never = HeadSampler(parent_based=True, ratio=0.0)
+    assert never.sampled(tp("01"))
+    assert not never.sampled(tp("00"))
+    assert not never.sampled({"traceparent": "00-garbage"})  # malformed: a root, ratio 0
+    assert not HeadSampler(parent_based=True, ratio=1.0).sampled(tp("00"))
+    assert HeadSampler(parent_based=False, ratio=1.0).sampled(tp("00"))
+    half = HeadSampler(parent_based=False, ratio=0.5)
+    share = sum(half.sampled(None) for _ in range(4000)) / 4000
+    assert 0.45 < share < 0.55
+
+
+def test_tail_rule_from_env(caplog) -> None:  # type: ignore[no-untyped-def]
+    assert TailRule.from_env({}) == TailRule(True, True, True, None)
+    assert not TailRule.from_env({"VLLM_JOURNEY_OTEL_TAIL": "none"}).active
+    rule = TailRule.from_env(
+        {"VLLM_JOURNEY_OTEL_TAIL": "error", "VLLM_JOURNEY_OTEL_TAIL_SLOW_MS": "250"}
+    )
+    assert rule == TailRule(False, True, False, 250_000_000)
+    assert rule.keeps(False, False, 0, 300_000_000) and not rule.keeps(False, True, 3, 1)
+    with caplog.at_level(logging.WARNING, logger="vllm.journey_otel"):
+        TailRule.from_env({"VLLM_JOURNEY_OTEL_TAIL": "preempted,weird"})
+    assert "weird" in caplog.text
+
+
+@requires_vllm
+def test_ratio_zero_keeps_only_the_tail(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    harness = import_harness()
+    exporter = InMemorySpanExporter()
+    assert hooks.install(
+        Config(enabled=True, export_mode=MODE_THREAD),
+        exporters=[exporter],
+        batch=False,
+        head=HeadSampler(parent_based=True, ratio=0.0),
+        tail=TailRule(),
+    )
+    try:
+        e = harness.Engine(num_blocks=5, max_num_batched_tokens=64, max_model_len=512)
+        e.add("A", prompt_len=14, max_tokens=20, trace_headers=tp("00"))
+        e.step()
+        e.step()
+        e.add("B", prompt_len=32, max_tokens=5, trace_headers=tp("00"))  # will be preempted
+        e.add("C", prompt_len=8, max_tokens=3, trace_headers=tp("01"))  # sampled parent
+        e.add("D", prompt_len=8, max_tokens=40)  # no parent, ratio 0, aborted below
+        e.step()
+        e.abort("D")
+        e.run()
+        assert hooks.flush(10)
+        assert e.requests["B"].num_preemptions > 0 and e.requests["A"].num_preemptions == 0
+        spans = exporter.get_finished_spans()
+    finally:
+        hooks.uninstall()
+    roots = {s.attributes[S.REQUEST_ID]: s for s in spans if s.name == S.SPAN_REQUEST}
+    assert set(roots) == {"B", "C", "D"}  # A: unsampled, uneventful, dropped
+    assert roots["C"].attributes[S.SAMPLED_BY] == S.SAMPLED_HEAD
+    assert roots["C"].parent is not None and roots["C"].parent.span_id == int(SPAN, 16)
+    b = roots["B"]
+    assert b.attributes[S.SAMPLED_BY] == S.SAMPLED_TAIL
+    # The client's trace was not sampled: a new root, linked to the client's span.
+    assert b.parent is None and b.context.trace_id != int(TRACE, 16)
+    assert [(link.context.trace_id, link.context.span_id) for link in b.links] == [
+        (int(TRACE, 16), int(SPAN, 16))
+    ]
+    assert roots["D"].attributes[S.FINISH_STATUS] == S.FINISH_ABORTED
+    assert roots["D"].attributes[S.SAMPLED_BY] == S.SAMPLED_TAIL
+    assert not roots["D"].links
+
+
+@requires_vllm
+def test_unsampled_without_tail_records_nothing() -> None:
+    harness = import_harness()
+    exporter = InMemorySpanExporter()
+    assert hooks.install(
+        Config(enabled=True, export_mode=MODE_THREAD),
+        exporters=[exporter],
+        batch=False,
+        head=HeadSampler(parent_based=True, ratio=0.0),
+        tail=TailRule(False, False, False, None),
+    )
+    try:
+        e = harness.Engine()
+        req = e.add("x", prompt_len=10, max_tokens=3)
+        assert getattr(req, hooks.JOURNEY_ATTR, None) is None  # no state at all
+        e.run()
+        assert hooks.flush(10)
+    finally:
+        hooks.uninstall()
+    assert exporter.get_finished_spans() == ()
