@@ -33,11 +33,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 os.environ.setdefault("OTEL_TRACES_EXPORTER", "none")
 
-import harness  # noqa: E402
-from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.outputs import ModelRunnerOutput
 
-from vllm_journey_otel import hooks  # noqa: E402
-from vllm_journey_otel.config import Config  # noqa: E402
+import harness
+from vllm_journey_otel import hooks
+from vllm_journey_otel.config import Config
+from vllm_journey_otel.sampling import HeadSampler
 
 PROMPT = 64
 
@@ -60,6 +61,7 @@ class Driver:
         self.times: list[float] = []
         self.finished = 0
         self.steps = 0
+        self.preemptions = 0
 
     def top_up(self) -> None:
         s = self.engine.scheduler
@@ -80,24 +82,30 @@ class Driver:
         ids = list(so.num_scheduled_tokens)
         sampled = [[7] if not s.requests[r].is_prefill_chunk else [] for r in ids]
         mro = ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=sampled,
         )
         t2 = time.perf_counter()
         s.update_from_output(so, mro)
         t3 = time.perf_counter()
         self.times.append((t1 - t0) + (t3 - t2))
         self.finished += before - len(s.requests)
+        self.preemptions += len(so.preempted_req_ids)
         self.steps += 1
 
 
 def run(n: int, blocks: int, steps_per_block: int, warmup: int) -> dict[str, object]:
     on_cfg = Config(enabled=True)
-    # Build each engine in its mode (the tracker is attached at construction).
+    # Build each engine in its mode (the tracker is attached at construction and
+    # keeps the sampler it was built with).
     hooks.unwrap()
     off = Driver("off", n, 1)
-    hooks.install(on_cfg)
+    hooks.install(on_cfg, head=HeadSampler(parent_based=True, ratio=0.0))
+    ratio0 = Driver("ratio0", n, 1)
+    hooks.install(on_cfg, head=HeadSampler())
     on = Driver("on", n, 1)
-    drivers = [off, on]
+    drivers = [off, on, ratio0]
     for d in drivers:
         if d is off:
             hooks.unwrap()
@@ -106,11 +114,11 @@ def run(n: int, blocks: int, steps_per_block: int, warmup: int) -> dict[str, obj
         for _ in range(warmup):
             d.step()
         d.times.clear()
-        d.finished = d.steps = 0
+        d.finished = d.steps = d.preemptions = 0
     per_block: dict[str, list[float]] = {d.name: [] for d in drivers}
     gc.collect()
     for b in range(blocks):
-        order = drivers if b % 2 == 0 else list(reversed(drivers))
+        order = drivers[b % 3 :] + drivers[: b % 3]
         for d in order:
             if d is off:
                 hooks.unwrap()
@@ -121,24 +129,28 @@ def run(n: int, blocks: int, steps_per_block: int, warmup: int) -> dict[str, obj
                 d.step()
             per_block[d.name].append(statistics.median(d.times[start:]))
     hooks.install(on_cfg)
-    ratios = [a / b for a, b in zip(per_block["on"], per_block["off"], strict=True)]
-    mean_off = statistics.fmean(off.times)
-    mean_on = statistics.fmean(on.times)
-    extra_s = (mean_on - mean_off) * on.steps
+
+    def ratio_stats(name: str) -> dict[str, float]:
+        ratios = sorted(a / b for a, b in zip(per_block[name], per_block["off"], strict=True))
+        return {
+            "median": round(statistics.median(ratios), 4),
+            "p10": round(ratios[len(ratios) // 10], 4),
+            "p90": round(ratios[(9 * len(ratios)) // 10], 4),
+        }
+
+    def us_per_journey(d: Driver) -> float:
+        # Total extra engine time over the same number of steps, per finished journey.
+        extra_s = (statistics.fmean(d.times) - statistics.fmean(off.times)) * d.steps
+        return round(extra_s / max(1, d.finished) * 1e6, 2)
+
     return {
         "running": n,
         "steps_per_mode": on.steps,
         "step_ms_median": {d.name: round(statistics.median(d.times) * 1e3, 3) for d in drivers},
-        "ratio_on_off_median": round(statistics.median(ratios), 4),
-        "ratio_on_off_p10_p90": [
-            round(sorted(ratios)[len(ratios) // 10], 4),
-            round(sorted(ratios)[(9 * len(ratios)) // 10], 4),
-        ],
+        "ratio_vs_off": {"on": ratio_stats("on"), "ratio0": ratio_stats("ratio0")},
         "journeys_finished": {d.name: d.finished for d in drivers},
-        "engine_us_per_journey": round(extra_s / max(1, on.finished) * 1e6, 2),
-        "preemptions": sum(
-            1 for _ in ()
-        ),
+        "engine_us_per_journey": {"on": us_per_journey(on), "ratio0": us_per_journey(ratio0)},
+        "preemptions": {d.name: d.preemptions for d in drivers},
     }
 
 

@@ -69,8 +69,12 @@ def timed(code: str) -> tuple[float, int, str]:
         "print('TIME', time.perf_counter() - t0)\n"
         "print('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
     )
-    out = subprocess.run([sys.executable, "-c", wrapper], capture_output=True, text=True, check=True)
-    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line[:4] in ("TIME", "RSS "))
+    out = subprocess.run(
+        [sys.executable, "-c", wrapper], capture_output=True, text=True, check=True
+    )
+    lines = dict(
+        line.split(" ", 1) for line in out.stdout.splitlines() if line[:4] in ("TIME", "RSS ")
+    )
     return float(lines["TIME"]), int(lines["RSS"]), out.stdout
 
 
@@ -80,8 +84,10 @@ def main() -> None:
         path = Path(d) / "big.otlp.jsonl"
         t0 = time.perf_counter()
         generate(path, n)
-        print(f"generated {n} journeys in {time.perf_counter() - t0:.1f} s: "
-              f"{path.stat().st_size / 2**20:.0f} MiB")
+        print(
+            f"generated {n} journeys in {time.perf_counter() - t0:.1f} s: "
+            f"{path.stat().st_size / 2**20:.0f} MiB"
+        )
         baseline = timed("import vllm_journey_otel.cli")
         summary = timed(
             "from vllm_journey_otel.summary import summarize\n"
@@ -105,7 +111,7 @@ def main() -> None:
             "timeline_peak_rss_mib": round(timeline[1] / 1024, 1),
             "import_only_peak_rss_mib": round(baseline[1] / 1024, 1),
         }
-        print([line for line in summary[2].splitlines() if line.startswith("J")][0])
+        print(next(line for line in summary[2].splitlines() if line.startswith("J")))
         print(json.dumps(result, indent=2))
 
 

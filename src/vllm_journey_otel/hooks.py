@@ -420,25 +420,37 @@ def _wrap_init(orig: Callable[..., Any]) -> Callable[..., Any]:
     return __init__
 
 
-def _wrap_add_request(orig: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(orig)
-    def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        tr = _tracker(self)
-        if tr is None:
-            return orig(self, request, *args, **kwargs)
-        try:
-            known = tr.before_add(request)
-        except Exception:
-            _fail("add_request")
-            return orig(self, request, *args, **kwargs)
-        result = orig(self, request, *args, **kwargs)
-        try:
-            tr.after_add(request, known)
-        except Exception:
-            _fail("add_request")
-        return result
+def _around_request(
+    where: str, before: str, after: str
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A wrapper factory for ``method(self, request, ...)``: ``tracker.<before>(request)``
+    before the original, ``tracker.<after>(request, what before returned)`` after it."""
 
-    return add_request
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(orig)
+        def wrapper(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+            tr = _tracker(self)
+            if tr is None:
+                return orig(self, request, *args, **kwargs)
+            try:
+                pre = getattr(tr, before)(request)
+            except Exception:
+                _fail(where)
+                return orig(self, request, *args, **kwargs)
+            result = orig(self, request, *args, **kwargs)
+            try:
+                getattr(tr, after)(request, pre)
+            except Exception:
+                _fail(where)
+            return result
+
+        return wrapper
+
+    return make
+
+
+_wrap_add_request = _around_request("add_request", "before_add", "after_add")
+_wrap_preempt = _around_request("_preempt_request", "before_preempt", "after_preempt")
 
 
 def _wrap_schedule(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -456,27 +468,6 @@ def _wrap_schedule(orig: Callable[..., Any]) -> Callable[..., Any]:
         return result
 
     return schedule
-
-
-def _wrap_preempt(orig: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(orig)
-    def _preempt_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        tr = _tracker(self)
-        if tr is None:
-            return orig(self, request, *args, **kwargs)
-        try:
-            pre = tr.before_preempt(request)
-        except Exception:
-            _fail("_preempt_request")
-            return orig(self, request, *args, **kwargs)
-        result = orig(self, request, *args, **kwargs)
-        try:
-            tr.after_preempt(request, pre)
-        except Exception:
-            _fail("_preempt_request")
-        return result
-
-    return _preempt_request
 
 
 def _wrap_update(orig: Callable[..., Any]) -> Callable[..., Any]:

@@ -96,6 +96,15 @@ class SpanSink:
         self.provider.shutdown()
 
 
+# The SDK's BatchSpanProcessor defaults (2,048-span queue, 512-span batches every
+# 5 s) drop spans above a few hundred journeys a second; the exporter process
+# starts with larger ones unless the user set OTEL_BSP_* themselves.
+EXPORTER_BSP_DEFAULTS = {
+    "OTEL_BSP_MAX_QUEUE_SIZE": "262144",
+    "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "4096",
+    "OTEL_BSP_SCHEDULE_DELAY": "500",
+}
+
 _LAUNCHER = (
     "import subprocess, sys\n"
     "subprocess.Popen(sys.argv[1:], stdin=sys.stdin, start_new_session=True, close_fds=True)\n"
@@ -125,12 +134,15 @@ class PipeSink:
             "vllm_journey_otel.exporter_process",
             json.dumps(dict(resource_attributes)),
         ]
+        child_env = dict(os.environ if env is None else env)
+        for key, value in EXPORTER_BSP_DEFAULTS.items():
+            child_env.setdefault(key, value)
         read_fd, write_fd = os.pipe()
         try:
             launcher = subprocess.Popen(
                 [python or sys.executable, "-c", _LAUNCHER, *argv],
                 stdin=read_fd,
-                env=dict(env) if env is not None else None,
+                env=child_env,
                 close_fds=True,
             )
             launcher.wait(timeout=30)
