@@ -55,7 +55,7 @@ class Driver:
             max_num_seqs=n,
             max_num_batched_tokens=max(2048, 4 * n),
             max_model_len=1024,
-            num_blocks=int(n * blocks_per_req * 0.7) + 64,
+            num_blocks=int(n * blocks_per_req * 0.45) + 64,
         )
         self.next_id = 0
         self.times: list[float] = []

@@ -203,7 +203,6 @@ class SchedulerTracker:
     __slots__ = (
         "__weakref__",
         "awaiting",
-        "finished_in_update",
         "head",
         "hook_preempt",
         "in_update",
@@ -232,7 +231,6 @@ class SchedulerTracker:
         self.update_mono_ns = 0
         self.last_update_mono_ns = 0
         self.last_update_ids: Any = ()
-        self.finished_in_update = 0
 
     # add_request ----------------------------------------------------------
     def before_add(self, request: Any) -> bool:
@@ -326,7 +324,6 @@ class SchedulerTracker:
     # update_from_output ----------------------------------------------------
     def before_update(self) -> None:
         self.in_update = True
-        self.finished_in_update = 0
         self.update_mono_ns = _now()
 
     def after_update(self, scheduler_output: Any) -> None:
@@ -334,8 +331,8 @@ class SchedulerTracker:
         self.in_update = False
         self.last_update_mono_ns = t
         self.last_update_ids = scheduler_output.num_scheduled_tokens
-        if self.finished_in_update:
-            self.pipeline.kick()
+        # The last step before idling hands everything on: no later step would.
+        self.pipeline.publish_due(t, force=not self.scheduler.requests)
         awaiting = self.awaiting
         if not awaiting:
             return
@@ -387,10 +384,8 @@ class SchedulerTracker:
         ):
             return  # dropped by head sampling, not kept by the tail rule
         self.pipeline.submit(finished)
-        if self.in_update:
-            self.finished_in_update += 1
-        else:
-            self.pipeline.kick()
+        if not self.in_update:
+            self.pipeline.publish_due(t, force=True)  # an abort between steps
 
 
 # ---------------------------------------------------------------------------

@@ -22,11 +22,15 @@ Threading: ``consume`` is called by the pipeline's drain thread only.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
+import select
 import struct
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import IO, Any, Protocol
 
@@ -40,6 +44,7 @@ from .journey import FinishedJourney
 from .spans import emit_spans, plan_spans, root_context
 
 FRAME_HEADER = struct.Struct("<I")
+F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # Linux
 # Frames larger than this are refused by the reader (a corrupt length).
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 
@@ -49,6 +54,13 @@ DECODER = msgspec.msgpack.Decoder(list[FinishedJourney])
 
 class Sink(Protocol):
     """Receives batches of finished journeys from the drain thread."""
+
+    def offer(self, batch: Sequence[FinishedJourney]) -> bool:
+        """Engine thread: take the batch now if that cannot block; False = queue it."""
+
+    @property
+    def pending(self) -> bool:
+        """Whether bytes taken by ``offer`` still wait for the drain thread."""
 
     def consume(self, batch: Sequence[FinishedJourney]) -> int:
         """Handle a batch; returns how many journeys failed."""
@@ -68,6 +80,13 @@ class SpanSink:
         self._tracer = provider.get_tracer(S.SCOPE_NAME)
         self._clock = clock or ClockAnchor()
         self.failed = 0
+
+    def offer(self, batch: Sequence[FinishedJourney]) -> bool:
+        return False  # building spans is not for the engine thread: always queue
+
+    @property
+    def pending(self) -> bool:
+        return False
 
     def consume(self, batch: Sequence[FinishedJourney]) -> int:
         failed = 0
@@ -112,13 +131,24 @@ _LAUNCHER = (
 
 
 class PipeSink:
-    """Encode batches and write them to a detached exporter process."""
+    """Encode batches and write them to a detached exporter process.
 
-    def __init__(self, pipe: IO[bytes], pid: int | None = None) -> None:
-        self._pipe = pipe
+    The write end of the pipe is non-blocking. The engine thread ``offer``s the
+    journeys a step finished: one msgspec encode and one ``os.write``, no thread
+    hand-off (waking a thread costs the engine thread a GIL switch each time).
+    If the pipe is full, or the drain thread is writing, the offer is declined and
+    the journeys take the queue; bytes an offer could only partly write are
+    finished by the drain thread, which may block (the engine thread never does).
+    """
+
+    def __init__(self, fd: int, pid: int | None = None) -> None:
+        os.set_blocking(fd, False)
+        self._fd = fd
         self.pid = pid
         self.failed = 0
         self.broken = False
+        self._lock = threading.Lock()
+        self._pending = b""
 
     @classmethod
     def start(
@@ -151,32 +181,94 @@ class PipeSink:
         if launcher.returncode != 0:
             os.close(write_fd)
             raise RuntimeError(f"exporter launcher exited with {launcher.returncode}")
-        return cls(os.fdopen(write_fd, "wb", buffering=0))
+        with contextlib.suppress(OSError):  # a bigger pipe: fewer declined offers
+            fcntl.fcntl(write_fd, F_SETPIPE_SZ, 1 << 20)
+        return cls(write_fd)
+
+    @staticmethod
+    def _frame(batch: Sequence[FinishedJourney]) -> bytes:
+        payload = ENCODER.encode(list(batch))
+        return FRAME_HEADER.pack(len(payload)) + payload
+
+    def _broke(self, lost: int) -> None:
+        self.broken = True
+        self.failed += lost
+        logger.warning(
+            "journey-otel: the exporter process is gone; journeys are dropped from now on",
+            exc_info=True,
+        )
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._pending)
+
+    def offer(self, batch: Sequence[FinishedJourney]) -> bool:
+        if self.broken or not batch or not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if self._pending:
+                return False  # keep frames in order: the drain thread goes first
+            data = self._frame(batch)
+            try:
+                n = os.write(self._fd, data)
+            except BlockingIOError:
+                return False
+            except OSError:
+                self._broke(len(batch))
+                return True  # counted as failed; nothing to queue
+            if n < len(data):
+                self._pending = data[n:]
+            return True
+        finally:
+            self._lock.release()
+
+    def _write_all(self, data: bytes, deadline: float | None = None) -> bool:
+        view = memoryview(data)
+        while view:
+            try:
+                n = os.write(self._fd, view)
+            except BlockingIOError:
+                wait = 1.0 if deadline is None else deadline - time.monotonic()
+                if wait <= 0:
+                    self._pending = bytes(view)
+                    return False
+                select.select([], [self._fd], [], min(wait, 1.0))
+                continue
+            view = view[n:]
+        return True
 
     def consume(self, batch: Sequence[FinishedJourney]) -> int:
-        if self.broken or not batch:
-            return len(batch) if self.broken else 0
-        payload = ENCODER.encode(list(batch))
-        try:
-            self._pipe.write(FRAME_HEADER.pack(len(payload)) + payload)
-        except OSError:
-            self.broken = True
-            self.failed += len(batch)
-            logger.warning(
-                "journey-otel: the exporter process is gone; journeys are dropped from now on",
-                exc_info=True,
-            )
+        if self.broken:
             return len(batch)
+        with self._lock:
+            data = self._pending + (self._frame(batch) if batch else b"")
+            self._pending = b""
+            try:
+                self._write_all(data)
+            except OSError:
+                self._broke(len(batch))
+                return len(batch)
         return 0
 
     def flush(self, timeout_s: float) -> bool:
-        # Writes are unbuffered: once consume() returned, the bytes are in the
-        # kernel's pipe, which survives this process. The exporter exports them.
-        return not self.broken
+        # Once written, the bytes are in the kernel's pipe, which survives this
+        # process; the exporter exports them. Only unwritten bytes remain here.
+        if self.broken:
+            return False
+        with self._lock:
+            if self._pending:
+                data, self._pending = self._pending, b""
+                try:
+                    return self._write_all(data, time.monotonic() + timeout_s)
+                except OSError:
+                    self._broke(0)
+                    return False
+        return True
 
     def shutdown(self, timeout_s: float) -> None:
+        self.flush(timeout_s)
         with contextlib.suppress(OSError):
-            self._pipe.close()  # EOF: the exporter exports what it has and exits
+            os.close(self._fd)  # EOF: the exporter exports what it has and exits
 
 
 def read_frames(stream: IO[bytes]) -> Any:
