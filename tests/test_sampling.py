@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 
 import pytest
-from conftest import import_harness, requires_vllm
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from conftest import import_harness, requires_vllm
 from vllm_journey_otel import hooks
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.config import MODE_THREAD, Config
