@@ -59,15 +59,17 @@ def generate(path: Path, n: int) -> None:
         fj = j.finish(now, i, status, "length", out + 50, now)
         assert fj is not None
         emit_spans(plan_spans(fj, offset), tracer, parent_context(None))
+    assert provider.force_flush(600_000), "the generator could not write every span"
     provider.shutdown()
 
 
 def timed(code: str) -> tuple[float, int, str]:
     wrapper = (
-        "import resource, time, sys\n"
+        "import time, sys\n"
         "t0 = time.perf_counter()\n" + code + "\n"
         "print('TIME', time.perf_counter() - t0)\n"
-        "print('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+        "hwm = [x for x in open('/proc/self/status') if x.startswith('VmHWM')][0]\n"
+        "print('RSS', hwm.split()[1])\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", wrapper], capture_output=True, text=True, check=True
@@ -90,9 +92,10 @@ def main() -> None:
         )
         baseline = timed("import vllm_journey_otel.cli")
         summary = timed(
-            "from vllm_journey_otel.summary import summarize\n"
+            "from vllm_journey_otel.summary import SUMMARY_ATTRIBUTES, summarize\n"
             "from vllm_journey_otel.tracefile import read_spans\n"
-            f"d = summarize(read_spans([{str(path)!r}])).to_dict()\n"
+            f"spans = read_spans([{str(path)!r}], attributes_of=SUMMARY_ATTRIBUTES)\n"
+            "d = summarize(spans).to_dict()\n"
             "print('J', d['journeys'], d['spans'])"
         )
         timeline = timed(

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .replay import PROTOCOLS, replay
-from .summary import format_text, summarize
+from .summary import SUMMARY_ATTRIBUTES, format_text, summarize
 from .timeline import collect, render
 from .tracefile import TraceFileError, read_spans
 
@@ -86,7 +86,8 @@ class _Progress:
 def _summary(args: argparse.Namespace) -> int:
     errors, progress = _Errors(), _Progress(args.files)
     try:
-        summary = summarize(read_spans(args.files, errors, progress), top=args.top)
+        spans = read_spans(args.files, errors, progress, attributes_of=SUMMARY_ATTRIBUTES)
+        summary = summarize(spans, top=args.top)
     except TraceFileError as e:
         print(f"vllm-journey: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -22,6 +22,8 @@ PHASES = (
     ("decode", S.DECODE_MS),
 )
 PERCENTILES = (50, 90, 95, 99)
+# The only spans whose attributes the summary reads.
+SUMMARY_ATTRIBUTES = frozenset({S.SPAN_REQUEST})
 
 
 def percentile(sorted_values: list[float], q: float) -> float:

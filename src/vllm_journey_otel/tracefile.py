@@ -9,13 +9,17 @@ Pure: no vLLM, no SDK.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from .otlp_json import attributes, iter_spans
+
+# msgspec's JSON decoder: several times faster than json.loads on big files.
+_decode = msgspec.json.Decoder().decode
 
 
 class TraceFileError(Exception):
@@ -40,10 +44,14 @@ def read_spans(
     paths: Iterable[str | Path],
     on_error: Callable[[str], None] | None = None,
     on_progress: Callable[[int], None] | None = None,
+    attributes_of: frozenset[str] | None = None,
 ) -> Iterator[FileSpan]:
     """Every span of every file, in file order. Bad lines go to ``on_error``;
-    ``on_progress`` gets the bytes read so far every 1,000 lines."""
+    ``on_progress`` gets the bytes read so far every 1,000 lines. With
+    ``attributes_of``, only spans of those names get their attributes decoded
+    (the others come with an empty dict: most of the reading time goes there)."""
     done = 0
+    empty: dict[str, Any] = {}
     for path in paths:
         p = Path(path)
         try:
@@ -58,7 +66,7 @@ def read_spans(
                 if not line.strip():
                     continue
                 try:
-                    doc = json.loads(line)
+                    doc = _decode(line)
                     for resource, span in iter_spans(doc):
                         yield FileSpan(
                             name=span.get("name", ""),
@@ -67,9 +75,13 @@ def read_spans(
                             parent_span_id=span.get("parentSpanId", ""),
                             start_unix_ns=int(span.get("startTimeUnixNano", 0)),
                             end_unix_ns=int(span.get("endTimeUnixNano", 0)),
-                            attributes=attributes(span.get("attributes", ())),
+                            attributes=(
+                                attributes(span.get("attributes", ()))
+                                if attributes_of is None or span.get("name") in attributes_of
+                                else empty
+                            ),
                             resource=resource,
                         )
-                except (ValueError, TypeError, KeyError, AttributeError) as e:
+                except (ValueError, TypeError, KeyError, AttributeError, msgspec.DecodeError) as e:
                     if on_error is not None:
                         on_error(f"{p}:{lineno}: not an OTLP/JSON trace line ({e})")
