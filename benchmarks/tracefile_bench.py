@@ -101,7 +101,7 @@ def main() -> None:
         timeline = timed(
             "from vllm_journey_otel.timeline import collect, render\n"
             "from vllm_journey_otel.tracefile import read_spans\n"
-            f"rows, total = collect(read_spans([{str(path)!r}]))\n"
+            f"rows, total = collect(lambda a: read_spans([{str(path)!r}], attributes_of=a))\n"
             "html = render(rows, total)\n"
             "print('J', total, len(html))"
         )

@@ -14,13 +14,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from .replay import PROTOCOLS, replay
 from .summary import SUMMARY_ATTRIBUTES, format_text, summarize
 from .timeline import collect, render
-from .tracefile import TraceFileError, read_spans
+from .tracefile import FileSpan, TraceFileError, read_spans
 
 # Headless Chromium with no network chatter (the machine may have no network).
 CHROMIUM_FLAGS = (
@@ -109,7 +109,15 @@ def _summary(args: argparse.Namespace) -> int:
 def _timeline(args: argparse.Namespace) -> int:
     errors, progress = _Errors(), _Progress(args.files)
     try:
-        rows, total = collect(read_spans(args.files, errors, progress), limit=args.limit)
+        first = [True]
+
+        def read(attributes_of: frozenset[str] | None) -> Iterable[FileSpan]:
+            # Bad lines are reported on the first pass only.
+            report = errors if first[0] else None
+            first[0] = False
+            return read_spans(args.files, report, progress, attributes_of=attributes_of)
+
+        rows, total = collect(read, limit=args.limit)
     except TraceFileError as e:
         print(f"vllm-journey: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from google.protobuf import json_format  # type: ignore[import-untyped]
@@ -71,7 +71,8 @@ def json_to_request(line: str) -> ExportTraceServiceRequest:
     return request
 
 
-def _value(v: dict[str, Any]) -> Any:
+def value(v: dict[str, Any]) -> Any:
+    """The Python value of an OTLP/JSON ``AnyValue``."""
     if "stringValue" in v:
         return v["stringValue"]
     if "intValue" in v:
@@ -81,19 +82,5 @@ def _value(v: dict[str, Any]) -> Any:
     if "boolValue" in v:
         return bool(v["boolValue"])
     if "arrayValue" in v:
-        return tuple(_value(x) for x in v["arrayValue"].get("values", ()))
+        return tuple(value(x) for x in v["arrayValue"].get("values", ()))
     return None
-
-
-def attributes(kvs: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """OTLP/JSON ``attributes`` list as a plain dict."""
-    return {kv["key"]: _value(kv.get("value", {})) for kv in kvs}
-
-
-def iter_spans(doc: dict[str, Any]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
-    """(resource attributes, span) pairs of one decoded OTLP/JSON line."""
-    for rs in doc.get("resourceSpans", ()):
-        resource = attributes(rs.get("resource", {}).get("attributes", ()))
-        for ss in rs.get("scopeSpans", ()):
-            for span in ss.get("spans", ()):
-                yield resource, span

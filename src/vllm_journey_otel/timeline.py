@@ -10,9 +10,10 @@ Pure: builds a string from :class:`~vllm_journey_otel.tracefile.FileSpan` record
 
 from __future__ import annotations
 
+import heapq
 import html
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,26 +48,44 @@ class _Row:
     segments: list[tuple[str, int, int, dict[str, Any]]] = field(default_factory=list)
 
 
-def collect(spans: Iterable[FileSpan], limit: int = 2000) -> tuple[list[_Row], int]:
-    """Journeys (slowest ``limit`` of them) and how many there were in all."""
-    roots: dict[str, _Row] = {}
-    phases: list[tuple[str, str, FileSpan]] = []  # (root span id, kind, span)
-    cycle_parent: dict[str, str] = {}  # scheduled span id -> root span id
-    for s in spans:
+def collect(
+    read: Callable[[frozenset[str] | None], Iterable[FileSpan]], limit: int = 2000
+) -> tuple[list[_Row], int]:
+    """Journeys (slowest ``limit`` of them) and how many there were in all.
+
+    Two passes over the file(s), so memory stays bounded by a few numbers per
+    journey plus the drawn rows: ``read(attributes_of)`` must return a fresh span
+    iterator each time. Pass 1 ranks the roots and maps cycles to roots; pass 2
+    keeps the phases of the drawn rows only.
+    """
+    heap: list[tuple[int, str, _Row]] = []  # (duration, root span id, row), min-heap
+    cycle_root: dict[str, str] = {}  # vllm.scheduled span id -> root span id
+    total = 0
+    for s in read(frozenset({S.SPAN_REQUEST})):
         if s.name == S.SPAN_REQUEST:
-            roots[s.span_id] = _Row(s.trace_id, s.start_unix_ns, s.end_unix_ns, s.attributes)
+            total += 1
+            item = (
+                s.end_unix_ns - s.start_unix_ns,
+                s.span_id,
+                _Row(s.trace_id, s.start_unix_ns, s.end_unix_ns, s.attributes),
+            )
+            if len(heap) < limit:
+                heapq.heappush(heap, item)
+            elif item[0] > heap[0][0]:
+                heapq.heapreplace(heap, item)
         elif s.name == S.SPAN_SCHEDULED:
-            cycle_parent[s.span_id] = s.parent_span_id
-        elif s.name in _PHASES:
-            phases.append((s.parent_span_id, _PHASES[s.name], s))
-    for parent, kind, s in phases:
-        root_id = cycle_parent.get(parent, parent)
-        row = roots.get(root_id)
-        if row is not None:
-            row.segments.append((kind, s.start_unix_ns, s.end_unix_ns, s.attributes))
-    rows = sorted(roots.values(), key=lambda r: r.end - r.start, reverse=True)[:limit]
-    rows.sort(key=lambda r: r.start)
-    return rows, len(roots)
+            cycle_root[s.span_id] = s.parent_span_id
+    rows = {span_id: row for _, span_id, row in heap}
+    if rows:
+        for s in read(frozenset(_PHASES)):
+            kind = _PHASES.get(s.name)
+            if kind is None:
+                continue
+            row = rows.get(cycle_root.get(s.parent_span_id, s.parent_span_id))
+            if row is not None:
+                row.segments.append((kind, s.start_unix_ns, s.end_unix_ns, s.attributes))
+    ordered = sorted(rows.values(), key=lambda r: r.start)
+    return ordered, total
 
 
 def render(rows: list[_Row], total: int, title: str = "vLLM request journeys") -> str:

@@ -10,24 +10,19 @@ Pure: no vLLM, no SDK.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
-from .otlp_json import attributes, iter_spans
-
-# msgspec's JSON decoder: several times faster than json.loads on big files.
-_decode = msgspec.json.Decoder().decode
+from .otlp_json import value
 
 
 class TraceFileError(Exception):
     """A trace file that cannot be read at all (missing, unreadable)."""
 
 
-@dataclass(frozen=True)
-class FileSpan:
+class FileSpan(NamedTuple):
     """One span of a trace file. Times are epoch ns."""
 
     name: str
@@ -38,6 +33,47 @@ class FileSpan:
     end_unix_ns: int
     attributes: dict[str, Any]
     resource: dict[str, Any]
+
+
+# Typed views of an OTLP/JSON line: msgspec decodes straight into them (much
+# faster than generic dicts) and skips every field we do not read.
+class _KeyValue(msgspec.Struct):
+    key: str
+    value: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class _Span(msgspec.Struct, rename="camel"):
+    trace_id: str = ""
+    span_id: str = ""
+    parent_span_id: str = ""
+    name: str = ""
+    start_time_unix_nano: int | str = 0
+    end_time_unix_nano: int | str = 0
+    attributes: list[_KeyValue] = msgspec.field(default_factory=list)
+
+
+class _ScopeSpans(msgspec.Struct):
+    spans: list[_Span] = msgspec.field(default_factory=list)
+
+
+class _Resource(msgspec.Struct):
+    attributes: list[_KeyValue] = msgspec.field(default_factory=list)
+
+
+class _ResourceSpans(msgspec.Struct, rename="camel"):
+    resource: _Resource = msgspec.field(default_factory=_Resource)
+    scope_spans: list[_ScopeSpans] = msgspec.field(default_factory=list)
+
+
+class _Request(msgspec.Struct, rename="camel"):
+    resource_spans: list[_ResourceSpans] = msgspec.field(default_factory=list)
+
+
+_decode = msgspec.json.Decoder(_Request).decode
+
+
+def _attributes(kvs: list[_KeyValue]) -> dict[str, Any]:
+    return {kv.key: value(kv.value) for kv in kvs}
 
 
 def read_spans(
@@ -66,22 +102,22 @@ def read_spans(
                 if not line.strip():
                     continue
                 try:
-                    doc = _decode(line)
-                    for resource, span in iter_spans(doc):
-                        yield FileSpan(
-                            name=span.get("name", ""),
-                            trace_id=span.get("traceId", ""),
-                            span_id=span.get("spanId", ""),
-                            parent_span_id=span.get("parentSpanId", ""),
-                            start_unix_ns=int(span.get("startTimeUnixNano", 0)),
-                            end_unix_ns=int(span.get("endTimeUnixNano", 0)),
-                            attributes=(
-                                attributes(span.get("attributes", ()))
-                                if attributes_of is None or span.get("name") in attributes_of
-                                else empty
-                            ),
-                            resource=resource,
-                        )
+                    request = _decode(line)
+                    for rs in request.resource_spans:
+                        resource = _attributes(rs.resource.attributes)
+                        for ss in rs.scope_spans:
+                            for span in ss.spans:
+                                wanted = attributes_of is None or span.name in attributes_of
+                                yield FileSpan(
+                                    span.name,
+                                    span.trace_id,
+                                    span.span_id,
+                                    span.parent_span_id,
+                                    int(span.start_time_unix_nano),
+                                    int(span.end_time_unix_nano),
+                                    _attributes(span.attributes) if wanted else empty,
+                                    resource,
+                                )
                 except (ValueError, TypeError, KeyError, AttributeError, msgspec.DecodeError) as e:
                     if on_error is not None:
                         on_error(f"{p}:{lineno}: not an OTLP/JSON trace line ({e})")
