@@ -1,9 +1,10 @@
 """`vllm serve` output-token throughput: plugin on vs off vs vLLM's own tracing.
 
-Three servers of the tiny CPU model run at once (idle servers cost ~nothing);
-the same load is sent to each in turn, block after block, so machine noise
-hits all three alike. Each block: CONCURRENCY requests of TOKENS tokens
-(ignore_eos), output tokens/s measured by the client.
+One server at a time (on 2 vCPUs, concurrent servers pin their workers to the
+same core and the figures mean nothing): for each block, each mode in turn, in
+a rotating order, starts a server of the tiny CPU model, sends one warm-up
+request, then CONCURRENCY requests of TOKENS tokens (ignore_eos), and stops it.
+Output tokens/s as the client sees it.
 
 * off: plain `vllm serve`;
 * on: `VLLM_JOURNEY_OTEL=1`, exporting over OTLP gRPC to a receiver here;
@@ -39,41 +40,44 @@ def main() -> None:
     receiver.start_grpc()
     endpoint = f"http://127.0.0.1:{receiver.grpc_port}"
     tmp = Path(tempfile.mkdtemp(prefix="serve-bench-"))
-    servers = {
-        "off": VllmServer(model, tmp / "off.log", {"VLLM_JOURNEY_OTEL": "0"}),
-        "on": VllmServer(model, tmp / "on.log", {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint}),
-        "vllm-tracing": VllmServer(
-            model,
-            tmp / "vt.log",
+    modes = {
+        "off": ({"VLLM_JOURNEY_OTEL": "0"}, []),
+        "on": ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint}, []),
+        "vllm-tracing": (
             {"VLLM_JOURNEY_OTEL": "0", "OTEL_EXPORTER_OTLP_TRACES_INSECURE": "true"},
-            args=["--otlp-traces-endpoint", endpoint],
+            ["--otlp-traces-endpoint", endpoint],
         ),
     }
-    try:
-        for s in servers.values():
-            s.wait_ready()
-        import openai
+    import openai
 
-        rates: dict[str, list[float]] = {name: [] for name in servers}
-        for b in range(blocks + 1):
-            names = list(servers)
+    rates: dict[str, list[float]] = {name: [] for name in modes}
+    try:
+        for b in range(blocks):
+            names = list(modes)
             names = names[b % 3 :] + names[: b % 3]
             for name in names:
-                s = servers[name]
-                c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=600)
+                env, args = modes[name]
+                s = VllmServer(model, tmp / f"{name}-{b}.log", env, args=args)
+                try:
+                    s.wait_ready()
+                    c = openai.OpenAI(
+                        base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=600
+                    )
 
-                def one(i: int, c=c, s=s) -> int:  # type: ignore[no-untyped-def]
-                    r = c.completions.create(
-                        model=s.model, prompt=f"bench {i}", max_tokens=tokens,
-                        extra_body={"ignore_eos": True},
-                    )  # fmt: skip
-                    return int(r.usage.completion_tokens)
+                    def one(i: int, c=c, s=s) -> int:  # type: ignore[no-untyped-def]
+                        r = c.completions.create(
+                            model=s.model, prompt=f"bench {i}", max_tokens=tokens,
+                            extra_body={"ignore_eos": True},
+                        )  # fmt: skip
+                        return int(r.usage.completion_tokens)
 
-                t0 = time.perf_counter()
-                with ThreadPoolExecutor(concurrency) as pool:
-                    out = sum(pool.map(one, range(concurrency)))
-                if b > 0:  # block 0 warms up
+                    one(-1)  # warm-up
+                    t0 = time.perf_counter()
+                    with ThreadPoolExecutor(concurrency) as pool:
+                        out = sum(pool.map(one, range(concurrency)))
                     rates[name].append(out / (time.perf_counter() - t0))
+                finally:
+                    s.stop()
         med = {name: statistics.median(v) for name, v in rates.items()}
         print(json.dumps({
             "blocks": blocks, "concurrency": concurrency, "tokens": tokens,
@@ -83,8 +87,6 @@ def main() -> None:
             "per_block": {k: [round(x, 1) for x in v] for k, v in rates.items()},
         }, indent=2))  # fmt: skip
     finally:
-        for s in servers.values():
-            s.stop()
         receiver.stop()
 
 
