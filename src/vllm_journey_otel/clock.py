@@ -6,7 +6,8 @@ epoch nanoseconds. We read the wall clock on both sides of one monotonic read
 uncertainty, take the narrowest of a few tries, and re-anchor periodically so an
 NTP slew or step is followed.
 
-Threading: an :class:`ClockAnchor` is used by the span-building thread only.
+Threading: a :class:`ClockAnchor` is used where spans are built (the exporter
+process, or the drain thread in thread mode), never on the engine thread.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ class Config:
     """Parsed settings. Immutable; read once per process when the plugin loads."""
 
     enabled: bool = False
-    # Finished journeys waiting for the span-building thread; beyond it they are
+    # Finished journeys waiting to leave the engine thread; beyond it they are
     # dropped and counted, never blocking the engine.
     queue_size: int = 16384
     # How often the drain thread wakes to hand queued journeys on. Journeys still

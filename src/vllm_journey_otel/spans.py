@@ -1,6 +1,7 @@
 """From a finished journey to spans.
 
-Two steps, both on the span-building thread (never the engine thread):
+Two steps, both where spans are built (the exporter process, or the drain thread
+in thread mode; never the engine thread):
 
 1. :func:`plan_spans` (pure) turns a :class:`~vllm_journey_otel.journey.FinishedJourney`
    and a clock offset into :class:`PlannedSpan` records with epoch times, the tree
