@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import tempfile
 import time
+import zlib
 from collections import deque
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -155,7 +156,9 @@ class Engine:
         priority: int = 0,
         ignore_eos: bool = True,
     ) -> Request:
-        tokens = prompt if prompt is not None else [100 + (hash(rid) % 800)] * prompt_len
+        # crc32, not hash(): str hashes change with PYTHONHASHSEED between runs.
+        fill = 100 + zlib.crc32(rid.encode()) % 800
+        tokens = prompt if prompt is not None else [fill] * prompt_len
         sp = SamplingParams(
             max_tokens=max_tokens, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos
         )
