@@ -8,6 +8,7 @@ parent ids, timestamps).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -66,17 +67,20 @@ class Receiver:
                         out.extend(ReceivedSpan(s, res) for s in ss.spans)
         return out
 
-    def start_grpc(self) -> int:
+    def start_grpc(self, port: int = 0, delay_s: float = 0.0) -> int:
+        """Serve OTLP/gRPC on ``port`` (0: any); ``delay_s`` delays every answer."""
         receiver = self
 
         class Service(trace_service_pb2_grpc.TraceServiceServicer):
             def Export(self, request, context):  # type: ignore[no-untyped-def]
+                if delay_s:
+                    time.sleep(delay_s)
                 receiver.add(request)
                 return trace_service_pb2.ExportTraceServiceResponse()
 
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), server)
-        self.grpc_port = server.add_insecure_port("127.0.0.1:0")
+        self.grpc_port = server.add_insecure_port(f"127.0.0.1:{port}")
         server.start()
         self._grpc = server
         return self.grpc_port
@@ -110,9 +114,13 @@ class Receiver:
         self._http = server
         return self.http_port
 
-    def stop(self) -> None:
+    def stop_grpc(self) -> None:
         if self._grpc is not None:
-            self._grpc.stop(grace=None)
+            self._grpc.stop(grace=None).wait(5)
+            self._grpc = None
+
+    def stop(self) -> None:
+        self.stop_grpc()
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()

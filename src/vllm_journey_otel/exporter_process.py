@@ -23,6 +23,7 @@ import sys
 from typing import Any
 
 from .config import from_env, logger
+from .health import ExportHealth, SdkLogGate
 from .provider import make_tracer_provider
 from .sinks import SpanSink, read_frames
 
@@ -43,19 +44,23 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C of vllm serve: finish via EOF
     attributes = json.loads(argv[1]) if len(argv) > 1 else {}
     config = from_env()
-    sink = SpanSink(make_tracer_provider(attributes))
-    received = 0
+    health = ExportHealth()
+    gate = SdkLogGate(health)
+    gate.install()
+    sink = SpanSink(make_tracer_provider(attributes, health=health), health=health)
     try:
-        for batch in read_frames(sys.stdin.buffer):
-            received += len(batch)
-            sink.consume(batch)
+        for frame in read_frames(sys.stdin.buffer):
+            sink.consume(frame.journeys, frame.engine_dropped)
     except SystemExit:
         pass
     except Exception:
         logger.warning("journey-otel exporter: bad input, stopping", exc_info=True)
     finally:
         sink.shutdown(max(config.shutdown_timeout_s, MIN_FINAL_FLUSH_S))
-        logger.debug("journey-otel exporter: %d journeys received, exiting", received)
+        health.settle()
+        lost = health.lost_spans + health.engine_dropped
+        # One line for the operator: what this run delivered and what it lost.
+        (logger.warning if lost else logger.info)("journey-otel exporter: %s", health.summary())
     return 0
 
 

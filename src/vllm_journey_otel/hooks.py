@@ -44,6 +44,7 @@ from . import __version__
 from . import schema as S
 from .compat import Support, check
 from .config import ALL_VARIABLES, EXPORT_MODE, MODE_PROCESS, Config, logger
+from .health import ExportHealth
 from .journey import (
     RUNNING,
     STATUS_ABORTED,
@@ -160,7 +161,11 @@ def _make_sink(attributes: dict[str, Any]) -> Sink:
                 EXPORT_MODE,
                 exc_info=True,
             )
-    return SpanSink(make_tracer_provider(attributes, _STATE.exporters, batch=_STATE.batch))
+    # No SdkLogGate here: the SDK's loggers are shared with vLLM's own tracing in
+    # this process; export failures are still counted by the health wrapper.
+    health = ExportHealth()
+    provider = make_tracer_provider(attributes, _STATE.exporters, batch=_STATE.batch, health=health)
+    return SpanSink(provider, health=health)
 
 
 def _pipeline_for(scheduler: Any) -> JourneyPipeline:

@@ -89,7 +89,7 @@ class JourneyPipeline:
             pass  # empty (the drain thread may have taken some: fine, each goes once)
         if not batch:
             return
-        if self.sink.offer(batch):
+        if self.sink.offer(batch, self.dropped + self.failed):
             self.published += len(batch)
         else:
             queue.extendleft(reversed(batch))
@@ -106,7 +106,7 @@ class JourneyPipeline:
             n = len(queue)
             if n or self.sink.pending:
                 batch = [queue.popleft() for _ in range(n)]
-                failed = self.sink.consume(batch)
+                failed = self.sink.consume(batch, self.dropped + self.failed)
                 self.failed += failed
                 self.exported += n - failed
             self._report_drops()

@@ -22,7 +22,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
     SimpleSpanProcessor,
@@ -33,6 +33,7 @@ from opentelemetry.util.types import AttributeValue
 
 from . import schema as S
 from .config import logger
+from .health import ExportHealth, HealthExporter
 
 TRACES_EXPORTER = "OTEL_TRACES_EXPORTER"
 SDK_DISABLED = "OTEL_SDK_DISABLED"
@@ -79,22 +80,46 @@ def make_resource(attributes: Mapping[str, AttributeValue]) -> Resource:
     return ours.merge(Resource(user, env_resource.schema_url))
 
 
+# Our string attributes are short except the request id, which a client may set
+# (X-Request-Id): without a limit, a megabyte id would travel in every span.
+DEFAULT_ATTRIBUTE_VALUE_LENGTH = 1024
+_LENGTH_VARIABLES = ("OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT")
+
+
+def span_limits(env: Mapping[str, str] | None = None) -> SpanLimits:
+    """The SDK's limits from OTEL_*_LIMIT variables; value length 1024 unless set there.
+
+    The SDK's other defaults stay: 128 attributes, events and links per span.
+    """
+    env = os.environ if env is None else env
+    user_set = any(env.get(name, "").strip() for name in _LENGTH_VARIABLES)
+    return SpanLimits(max_attribute_length=None if user_set else DEFAULT_ATTRIBUTE_VALUE_LENGTH)
+
+
 def make_tracer_provider(
     resource_attributes: Mapping[str, AttributeValue],
     exporters: Sequence[SpanExporter] | None = None,
     batch: bool = True,
+    health: ExportHealth | None = None,
 ) -> TracerProvider:
     """A private provider exporting through ``exporters`` (default: from OTEL_* env).
 
     ``batch=False`` uses a SimpleSpanProcessor (tests with an in-memory exporter).
+    With ``health``, every exporter is wrapped to count exported and failed spans.
     """
     # Sampling was decided per request in the engine (sampling.py): build all.
-    provider = TracerProvider(resource=make_resource(resource_attributes), sampler=ALWAYS_ON)
+    provider = TracerProvider(
+        resource=make_resource(resource_attributes),
+        sampler=ALWAYS_ON,
+        span_limits=span_limits(),
+    )
     if exporters is None:
         exporters = build_exporters()
         if not exporters:
             logger.info("%s=none: journeys are recorded but not exported.", TRACES_EXPORTER)
     for exporter in exporters:
+        if health is not None:
+            exporter = HealthExporter(exporter, health)
         processor = BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter)
         provider.add_span_processor(processor)
     return provider

@@ -77,6 +77,9 @@ PREFILL_MS: Final = "vllm.journey.prefill_ms"
 DECODE_MS: Final = "vllm.journey.decode_ms"
 CLOCK_UNCERTAINTY_US: Final = "vllm.journey.clock_uncertainty_us"
 SAMPLED_BY: Final = "vllm.journey.sampled_by"
+# The tracer's own health, cumulative per exporting process since it started.
+TRACER_DROPPED_JOURNEYS: Final = "vllm.journey.tracer.dropped_journeys"
+TRACER_LOST_SPANS: Final = "vllm.journey.tracer.lost_spans"
 # NUM_PREEMPTIONS (above) is on the root too.
 
 # ---------------------------------------------------------------------------
@@ -158,6 +161,19 @@ ATTRIBUTES: Final[tuple[AttributeSpec, ...]] = (
         (SPAN_REQUEST,),
         "string",
         "head (sampled at admission) or tail (kept by the tail rule)",
+    ),
+    AttributeSpec(
+        TRACER_DROPPED_JOURNEYS,
+        (SPAN_REQUEST,),
+        "int",
+        "journeys this engine core dropped before this one (full queue, exporter gone); cumulative",
+    ),
+    AttributeSpec(
+        TRACER_LOST_SPANS,
+        (SPAN_REQUEST,),
+        "int",
+        "spans the exporter could not deliver before this one (export failed, full "
+        "queue); cumulative",
     ),
     AttributeSpec(
         NUM_PREEMPTIONS,

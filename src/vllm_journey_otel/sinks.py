@@ -14,7 +14,8 @@
   it exits on end-of-file after exporting everything it received.
 
 Wire format (stdin of the exporter): frames of a 4-byte little-endian length and
-a msgpack-encoded ``list[FinishedJourney]``.
+a msgpack-encoded :class:`Frame` (the journeys, and how many the engine core has
+dropped so far, for the tracer-health attributes).
 
 Threading: ``consume`` is called by the pipeline's drain thread only.
 """
@@ -40,29 +41,43 @@ from opentelemetry.sdk.trace import TracerProvider
 from . import schema as S
 from .clock import ClockAnchor
 from .config import logger
+from .health import ExportHealth
 from .journey import FinishedJourney
-from .spans import emit_spans, plan_spans, root_context
+from .spans import ROOT, emit_spans, plan_spans, root_context
 
 FRAME_HEADER = struct.Struct("<I")
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # Linux
 # Frames larger than this are refused by the reader (a corrupt length).
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 
+
+class Frame(msgspec.Struct, array_like=True):
+    """One message on the exporter pipe."""
+
+    journeys: list[FinishedJourney]
+    # Journeys the engine core dropped so far (full queue, exporter gone).
+    engine_dropped: int = 0
+
+
 ENCODER = msgspec.msgpack.Encoder()
-DECODER = msgspec.msgpack.Decoder(list[FinishedJourney])
+DECODER = msgspec.msgpack.Decoder(Frame)
 
 
 class Sink(Protocol):
-    """Receives batches of finished journeys from the drain thread."""
+    """Receives batches of finished journeys from the pipeline.
 
-    def offer(self, batch: Sequence[FinishedJourney]) -> bool:
+    ``engine_dropped`` is the pipeline's count of journeys dropped so far; it
+    ends up on the roots as the tracer-health attribute.
+    """
+
+    def offer(self, batch: Sequence[FinishedJourney], engine_dropped: int = 0) -> bool:
         """Engine thread: take the batch now if that cannot block; False = queue it."""
 
     @property
     def pending(self) -> bool:
         """Whether bytes taken by ``offer`` still wait for the drain thread."""
 
-    def consume(self, batch: Sequence[FinishedJourney]) -> int:
+    def consume(self, batch: Sequence[FinishedJourney], engine_dropped: int = 0) -> int:
         """Handle a batch; returns how many journeys failed."""
 
     def flush(self, timeout_s: float) -> bool:
@@ -75,26 +90,39 @@ class Sink(Protocol):
 class SpanSink:
     """Build spans in this process and hand them to the provider's processors."""
 
-    def __init__(self, provider: TracerProvider, clock: ClockAnchor | None = None) -> None:
+    def __init__(
+        self,
+        provider: TracerProvider,
+        clock: ClockAnchor | None = None,
+        health: ExportHealth | None = None,
+    ) -> None:
         self.provider = provider
         self._tracer = provider.get_tracer(S.SCOPE_NAME)
         self._clock = clock or ClockAnchor()
+        self.health = health or ExportHealth()
         self.failed = 0
 
-    def offer(self, batch: Sequence[FinishedJourney]) -> bool:
+    def offer(self, batch: Sequence[FinishedJourney], engine_dropped: int = 0) -> bool:
         return False  # building spans is not for the engine thread: always queue
 
     @property
     def pending(self) -> bool:
         return False
 
-    def consume(self, batch: Sequence[FinishedJourney]) -> int:
+    def consume(self, batch: Sequence[FinishedJourney], engine_dropped: int = 0) -> int:
         failed = 0
+        health = self.health
+        health.journeys += len(batch)
+        health.engine_dropped = max(health.engine_dropped, engine_dropped)
         for journey in batch:
             try:
                 anchor = self._clock.anchor
                 plan = plan_spans(journey, anchor.offset_ns, anchor.uncertainty_ns)
+                root = plan[ROOT].attributes
+                root[S.TRACER_DROPPED_JOURNEYS] = health.engine_dropped
+                root[S.TRACER_LOST_SPANS] = health.lost_spans
                 emit_spans(plan, self._tracer, *root_context(journey))
+                health.spans_built += len(plan)
             except Exception:
                 failed += 1
                 if self.failed + failed == 1:
@@ -124,9 +152,12 @@ EXPORTER_BSP_DEFAULTS = {
     "OTEL_BSP_SCHEDULE_DELAY": "500",
 }
 
+# Starts the exporter in a new session and prints its pid on stdout.
 _LAUNCHER = (
     "import subprocess, sys\n"
-    "subprocess.Popen(sys.argv[1:], stdin=sys.stdin, start_new_session=True, close_fds=True)\n"
+    "p = subprocess.Popen(sys.argv[1:], stdin=sys.stdin, stdout=subprocess.DEVNULL,\n"
+    "                     start_new_session=True, close_fds=True)\n"
+    "print(p.pid)\n"
 )
 
 
@@ -169,13 +200,15 @@ class PipeSink:
             child_env.setdefault(key, value)
         read_fd, write_fd = os.pipe()
         try:
-            launcher = subprocess.Popen(
+            launcher = subprocess.run(
                 [python or sys.executable, "-c", _LAUNCHER, *argv],
                 stdin=read_fd,
+                stdout=subprocess.PIPE,
                 env=child_env,
                 close_fds=True,
+                timeout=30,
+                check=False,
             )
-            launcher.wait(timeout=30)
         finally:
             os.close(read_fd)
         if launcher.returncode != 0:
@@ -183,11 +216,12 @@ class PipeSink:
             raise RuntimeError(f"exporter launcher exited with {launcher.returncode}")
         with contextlib.suppress(OSError):  # a bigger pipe: fewer declined offers
             fcntl.fcntl(write_fd, F_SETPIPE_SZ, 1 << 20)
-        return cls(write_fd)
+        pid = int(launcher.stdout.split()[-1]) if launcher.stdout.strip() else None
+        return cls(write_fd, pid)
 
     @staticmethod
-    def _frame(batch: Sequence[FinishedJourney]) -> bytes:
-        payload = ENCODER.encode(list(batch))
+    def _frame(batch: Sequence[FinishedJourney], engine_dropped: int) -> bytes:
+        payload = ENCODER.encode(Frame(list(batch), engine_dropped))
         return FRAME_HEADER.pack(len(payload)) + payload
 
     def _broke(self, lost: int) -> None:
@@ -202,13 +236,13 @@ class PipeSink:
     def pending(self) -> bool:
         return bool(self._pending)
 
-    def offer(self, batch: Sequence[FinishedJourney]) -> bool:
+    def offer(self, batch: Sequence[FinishedJourney], engine_dropped: int = 0) -> bool:
         if self.broken or not batch or not self._lock.acquire(blocking=False):
             return False
         try:
             if self._pending:
                 return False  # keep frames in order: the drain thread goes first
-            data = self._frame(batch)
+            data = self._frame(batch, engine_dropped)
             try:
                 n = os.write(self._fd, data)
             except BlockingIOError:
@@ -237,11 +271,11 @@ class PipeSink:
             view = view[n:]
         return True
 
-    def consume(self, batch: Sequence[FinishedJourney]) -> int:
+    def consume(self, batch: Sequence[FinishedJourney], engine_dropped: int = 0) -> int:
         if self.broken:
             return len(batch)
         with self._lock:
-            data = self._pending + (self._frame(batch) if batch else b"")
+            data = self._pending + (self._frame(batch, engine_dropped) if batch else b"")
             self._pending = b""
             try:
                 self._write_all(data)
@@ -272,7 +306,7 @@ class PipeSink:
 
 
 def read_frames(stream: IO[bytes]) -> Any:
-    """Yield decoded batches from ``stream`` until end-of-file (exporter side)."""
+    """Yield decoded :class:`Frame` s from ``stream`` until end-of-file (exporter side)."""
     while True:
         header = stream.read(FRAME_HEADER.size)
         if len(header) < FRAME_HEADER.size:
