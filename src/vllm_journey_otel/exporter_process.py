@@ -60,7 +60,8 @@ def main(argv: list[str]) -> int:
         health.settle()
         lost = health.lost_spans + health.engine_dropped
         # One line for the operator: what this run delivered and what it lost.
-        (logger.warning if lost else logger.info)("journey-otel exporter: %s", health.summary())
+        level = logging.WARNING if lost else logging.INFO if health.journeys else logging.DEBUG
+        logger.log(level, "journey-otel exporter: %s", health.summary())
     return 0
 
 

@@ -152,12 +152,11 @@ EXPORTER_BSP_DEFAULTS = {
     "OTEL_BSP_SCHEDULE_DELAY": "500",
 }
 
-# Starts the exporter in a new session and prints its pid on stdout.
+# Starts the exporter in a new session and writes its pid to the fd in argv[1].
 _LAUNCHER = (
-    "import subprocess, sys\n"
-    "p = subprocess.Popen(sys.argv[1:], stdin=sys.stdin, stdout=subprocess.DEVNULL,\n"
-    "                     start_new_session=True, close_fds=True)\n"
-    "print(p.pid)\n"
+    "import os, subprocess, sys\n"
+    "p = subprocess.Popen(sys.argv[2:], stdin=sys.stdin, start_new_session=True, close_fds=True)\n"
+    "os.write(int(sys.argv[1]), str(p.pid).encode())\n"
 )
 
 
@@ -199,24 +198,29 @@ class PipeSink:
         for key, value in EXPORTER_BSP_DEFAULTS.items():
             child_env.setdefault(key, value)
         read_fd, write_fd = os.pipe()
+        pid_r, pid_w = os.pipe()
         try:
             launcher = subprocess.run(
-                [python or sys.executable, "-c", _LAUNCHER, *argv],
+                [python or sys.executable, "-c", _LAUNCHER, str(pid_w), *argv],
                 stdin=read_fd,
-                stdout=subprocess.PIPE,
                 env=child_env,
-                close_fds=True,
+                pass_fds=(pid_w,),
                 timeout=30,
                 check=False,
             )
+            os.close(pid_w)
+            pid_text = os.read(pid_r, 32)
         finally:
-            os.close(read_fd)
+            for fd in (read_fd, pid_r):
+                os.close(fd)
+            with contextlib.suppress(OSError):
+                os.close(pid_w)
         if launcher.returncode != 0:
             os.close(write_fd)
             raise RuntimeError(f"exporter launcher exited with {launcher.returncode}")
         with contextlib.suppress(OSError):  # a bigger pipe: fewer declined offers
             fcntl.fcntl(write_fd, F_SETPIPE_SZ, 1 << 20)
-        pid = int(launcher.stdout.split()[-1]) if launcher.stdout.strip() else None
+        pid = int(pid_text) if pid_text.strip().isdigit() else None
         return cls(write_fd, pid)
 
     @staticmethod
