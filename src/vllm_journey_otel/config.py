@@ -22,6 +22,7 @@ QUEUE_SIZE = "VLLM_JOURNEY_OTEL_QUEUE_SIZE"
 EXPORT_INTERVAL_MS = "VLLM_JOURNEY_OTEL_EXPORT_INTERVAL_MS"
 SHUTDOWN_TIMEOUT_S = "VLLM_JOURNEY_OTEL_SHUTDOWN_TIMEOUT_S"
 EXPORT_MODE = "VLLM_JOURNEY_OTEL_EXPORT_MODE"
+SHUTDOWN_GRACE_MS = "VLLM_JOURNEY_OTEL_SHUTDOWN_GRACE_MS"
 # The OTLP/JSON file exporter (OTEL_TRACES_EXPORTER=otlp_json_file).
 FILE_PATH = "VLLM_JOURNEY_OTEL_FILE"
 FILE_MAX_MB = "VLLM_JOURNEY_OTEL_FILE_MAX_MB"
@@ -36,6 +37,7 @@ ALL_VARIABLES = (
     EXPORT_INTERVAL_MS,
     SHUTDOWN_TIMEOUT_S,
     EXPORT_MODE,
+    SHUTDOWN_GRACE_MS,
     FILE_PATH,
     FILE_MAX_MB,
     FILE_KEEP,
@@ -68,6 +70,12 @@ class Config:
     # Deadline for the final flush when the engine core shuts down. vLLM's parent
     # sends SIGKILL about 5 s after SIGTERM, so stay well under it.
     shutdown_timeout_s: float = 3.0
+    # API-server side: when vLLM is about to SIGKILL the engine core right after
+    # its SIGTERM (--shutdown-timeout 0, the default), wait up to this long for
+    # the engine core to exit by itself first. It aborts its requests on SIGTERM,
+    # and those aborted journeys leave it within milliseconds; without the wait
+    # the SIGKILL lands ~0.1 ms after the SIGTERM and they are lost. 0: off.
+    shutdown_grace_ms: int = 500
 
 
 def _flag(env: Mapping[str, str], name: str) -> bool:
@@ -131,4 +139,5 @@ def from_env(env: Mapping[str, str] | None = None) -> Config:
         export_interval_ms=int(_number(env, EXPORT_INTERVAL_MS, d.export_interval_ms, 1, 60_000)),
         shutdown_timeout_s=_number(env, SHUTDOWN_TIMEOUT_S, d.shutdown_timeout_s, 0, 60),
         export_mode=_choice(env, EXPORT_MODE, d.export_mode, (MODE_PROCESS, MODE_THREAD)),
+        shutdown_grace_ms=int(_number(env, SHUTDOWN_GRACE_MS, d.shutdown_grace_ms, 0, 60_000)),
     )

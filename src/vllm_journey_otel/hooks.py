@@ -76,6 +76,15 @@ def _vllm() -> tuple[str, type, type, Any]:
     return version, Scheduler, RequestStatus, vllm
 
 
+def _engine_proc_manager() -> type | None:
+    """CoreEngineProcManager (API-server side: starts and stops engine cores)."""
+    try:
+        from vllm.v1.engine.utils import CoreEngineProcManager
+    except Exception:
+        return None
+    return CoreEngineProcManager if isinstance(CoreEngineProcManager, type) else None
+
+
 def _frontend_classes() -> tuple[type | None, type | None]:
     """AsyncLLM and OutputProcessor (API-server side), or None where missing."""
     try:
@@ -584,6 +593,50 @@ def _wrap_output_add_request(orig: Callable[..., Any]) -> Callable[..., Any]:
     return add_request
 
 
+def _grace_for_engine_cores(manager: Any, timeout: float | None) -> None:
+    """SIGTERM the engine cores and wait up to the grace for them to exit.
+
+    Only when vLLM would kill them sooner (``timeout`` below the grace): on
+    SIGTERM an engine core aborts its requests (our hooks hand those journeys to
+    the exporter within milliseconds) and exits its busy loop; vLLM's own
+    shutdown then finds it gone, or kills what is left as before.
+    """
+    grace_s = _STATE.config.shutdown_grace_ms / 1000.0
+    if grace_s <= 0 or (timeout is not None and timeout >= grace_s):
+        return
+    procs = [p for p in getattr(manager, "processes", ()) if p.is_alive()]
+    if not procs:
+        return
+    stopped = getattr(manager, "manager_stopped", None)
+    if stopped is not None:
+        stopped.set()  # as vLLM's shutdown does first: an exit now is not a failure
+    for proc in procs:
+        proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    alive = sum(p.is_alive() for p in procs)
+    logger.info(
+        "journey-otel: engine core shutdown grace %.0f ms: %d of %d exited by themselves",
+        grace_s * 1000,
+        len(procs) - alive,
+        len(procs),
+    )
+
+
+def _wrap_proc_shutdown(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def shutdown(self: Any, timeout: float | None = None, *args: Any, **kwargs: Any) -> Any:
+        if _STATE.enabled:
+            try:
+                _grace_for_engine_cores(self, timeout)
+            except Exception:  # never in vLLM's way: its own shutdown goes on
+                logger.debug("journey-otel: shutdown grace failed", exc_info=True)
+        return orig(self, timeout, *args, **kwargs)
+
+    return shutdown
+
+
 _WRAPPERS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
     "__init__": _wrap_init,
     "add_request": _wrap_add_request,
@@ -678,6 +731,10 @@ def install(
                         "journey-otel: AsyncLLM.add_request not as expected; the client's "
                         "trace context reaches journeys only with --otlp-traces-endpoint"
                     )
+                manager = _engine_proc_manager()
+                if _signature_has(manager, "shutdown", "timeout"):
+                    assert manager is not None
+                    _patch(manager, "shutdown", _wrap_proc_shutdown)
                 _STATE.installed = True
             _STATE.failed = False
             _STATE.enabled = True
