@@ -49,6 +49,7 @@ class Receiver:
         self.requests: list[trace_service_pb2.ExportTraceServiceRequest] = []
         self.lock = threading.Lock()
         self.grpc_port = 0
+        self.delay_s = 0.0  # a slow backend: every gRPC answer comes this much later
         self.http_port = 0
         self._grpc: grpc.Server | None = None
         self._http: ThreadingHTTPServer | None = None
@@ -67,14 +68,14 @@ class Receiver:
                         out.extend(ReceivedSpan(s, res) for s in ss.spans)
         return out
 
-    def start_grpc(self, port: int = 0, delay_s: float = 0.0) -> int:
-        """Serve OTLP/gRPC on ``port`` (0: any); ``delay_s`` delays every answer."""
+    def start_grpc(self, port: int = 0) -> int:
+        """Serve OTLP/gRPC on ``port`` (0: any); ``self.delay_s`` delays every answer."""
         receiver = self
 
         class Service(trace_service_pb2_grpc.TraceServiceServicer):
             def Export(self, request, context):  # type: ignore[no-untyped-def]
-                if delay_s:
-                    time.sleep(delay_s)
+                if receiver.delay_s:
+                    time.sleep(receiver.delay_s)
                 receiver.add(request)
                 return trace_service_pb2.ExportTraceServiceResponse()
 

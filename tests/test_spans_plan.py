@@ -197,3 +197,29 @@ def test_finished_journey_roundtrips_through_msgspec() -> None:
     back = msgspec.msgpack.decode(raw, type=FinishedJourney)
     assert back == fj
     assert plan_spans(back, OFFSET) == plan_spans(fj, OFFSET)
+
+
+def test_trace_headers_are_bounded_and_malformed_ones_make_a_root() -> None:
+    from opentelemetry import trace
+
+    from vllm_journey_otel.journey import TRACESTATE_MAX, bounded_trace_headers
+    from vllm_journey_otel.spans import parent_context
+
+    good = "00-" + "a" * 32 + "-" + "b" * 16 + "-01"
+    kept = bounded_trace_headers({"traceparent": good, "tracestate": "x=1", "cookie": "secret"})
+    assert kept == {"traceparent": good, "tracestate": "x=1"}, "only the W3C headers are kept"
+    assert bounded_trace_headers({"traceparent": "0" * 10_000}) is None
+    long_state = ",".join(f"v{i}=" + "z" * 20 for i in range(100))
+    state = bounded_trace_headers({"traceparent": good, "tracestate": long_state})
+    assert state is not None
+    assert 0 < len(state["tracestate"]) <= TRACESTATE_MAX
+    assert long_state.startswith(state["tracestate"] + ",")  # whole members only
+    bad = [
+        "", "garbage", good.upper(), good + "-extra", good[:-1], "ff" + good[2:],
+        "00-" + "0" * 32 + "-" + "b" * 16 + "-01", "00-" + "a" * 32 + "-" + "0" * 16 + "-01",
+    ]  # fmt: skip
+    for tp in bad:
+        ctx = parent_context(bounded_trace_headers({"traceparent": tp, "tracestate": "=,=="}))
+        assert not trace.get_current_span(ctx).get_span_context().is_valid, tp
+    ctx = parent_context(bounded_trace_headers({"traceparent": good}))
+    assert trace.get_current_span(ctx).get_span_context().trace_id == int("a" * 32, 16)

@@ -37,6 +37,10 @@ SDK_LOGGERS = (
     "opentelemetry.sdk._shared_internal",
     "opentelemetry.sdk.trace.export",
 )
+# Loggers that warn about what clients sent (a malformed tracestate, an id longer
+# than the attribute limit): one line per request, nothing an operator can fix.
+# Demoted to debug, counted.
+INPUT_LOGGERS = ("opentelemetry.trace.span", "opentelemetry.attributes")
 _FAILURE_PREFIXES = ("Transient error", "Failed to export", "Dropping span batch")
 _QUEUE_FULL_PREFIX = "Queue full"
 # While export keeps failing (or the queue keeps overflowing), one report a minute.
@@ -54,6 +58,7 @@ class ExportHealth:
         self.spans_dropped = 0  # the SDK's span queue was full
         self.engine_dropped = 0  # latest count the engine core reported with a batch
         self.last_reason = ""
+        self.input_warnings = 0  # the SDK's complaints about client input, demoted
         self._period_s = report_period_s
         self._outage_since: float | None = None
         self._failed_at_outage = 0
@@ -133,7 +138,8 @@ class ExportHealth:
             f"{self.journeys} journeys received, {self.spans_built} spans built, "
             f"{self.spans_exported} exported, {self.spans_failed} failed to export, "
             f"{self.spans_dropped} dropped from a full queue, "
-            f"{self.engine_dropped} journeys dropped in the engine core"
+            f"{self.engine_dropped} journeys dropped in the engine core, "
+            f"{self.input_warnings} malformed client inputs ignored"
         )
 
 
@@ -147,6 +153,9 @@ class SdkLogGate(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.WARNING:
             return True
+        if record.name in INPUT_LOGGERS:
+            self.health.input_warnings += 1
+            return logger.isEnabledFor(logging.DEBUG)
         message = record.getMessage()
         if message.startswith(_QUEUE_FULL_PREFIX):
             self.health.dropped()
@@ -157,7 +166,7 @@ class SdkLogGate(logging.Filter):
         return logger.isEnabledFor(logging.DEBUG)
 
     def install(self) -> None:
-        for name in SDK_LOGGERS:
+        for name in (*SDK_LOGGERS, *INPUT_LOGGERS):
             sdk_logger = logging.getLogger(name)
             if self not in sdk_logger.filters:
                 # First in line: the SDK's own DuplicateFilter passes one record of a
@@ -165,7 +174,7 @@ class SdkLogGate(logging.Filter):
                 sdk_logger.filters.insert(0, self)
 
     def uninstall(self) -> None:
-        for name in SDK_LOGGERS:
+        for name in (*SDK_LOGGERS, *INPUT_LOGGERS):
             logging.getLogger(name).removeFilter(self)
 
 

@@ -133,6 +133,39 @@ class FinishedJourney(msgspec.Struct, frozen=True, array_like=True, gc=False):
     head_sampled: bool = True
 
 
+# W3C trace context sizes: a version-00 traceparent is 55 characters (later
+# versions may append fields); tracestate SHOULD be kept up to 512 characters and
+# is cut at list-member boundaries beyond that.
+TRACEPARENT_MAX = 256
+TRACESTATE_MAX = 512
+
+
+def bounded_trace_headers(headers: Mapping[str, str]) -> dict[str, str] | None:
+    """The client's ``traceparent``/``tracestate`` with bounded sizes, nothing else.
+
+    A journey holds these until it ends and sends them through the exporter pipe,
+    so a client cannot make either grow: an oversized traceparent is dropped (the
+    journey becomes its own root), a long tracestate keeps its first members.
+    """
+    out: dict[str, str] = {}
+    tp = headers.get("traceparent")
+    if isinstance(tp, str) and len(tp) <= TRACEPARENT_MAX:
+        out["traceparent"] = tp
+    ts = headers.get("tracestate")
+    if isinstance(ts, str) and ts:
+        if len(ts) > TRACESTATE_MAX:
+            kept = ""
+            for member in ts.split(","):
+                candidate = f"{kept},{member}" if kept else member
+                if len(candidate) > TRACESTATE_MAX:
+                    break
+                kept = candidate
+            ts = kept
+        if ts:
+            out["tracestate"] = ts
+    return out or None
+
+
 class RequestJourney:
     """Mutable per-request state while the request is in flight.
 
@@ -183,7 +216,7 @@ class RequestJourney:
         self.max_tokens = max_tokens
         self.priority = priority
         self.lora_name = lora_name
-        self.trace_headers = trace_headers
+        self.trace_headers = bounded_trace_headers(trace_headers) if trace_headers else None
         self.state = QUEUED
         self.events: list[Event] = []
         self.num_preemptions = 0
