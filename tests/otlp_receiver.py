@@ -7,12 +7,14 @@ parent ids, timestamps).
 
 from __future__ import annotations
 
+import ssl
 import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import ClassVar
 
 import grpc
@@ -49,6 +51,7 @@ class Receiver:
         self.requests: list[trace_service_pb2.ExportTraceServiceRequest] = []
         self.lock = threading.Lock()
         self.grpc_port = 0
+        self.headers: list[dict[str, str]] = []  # request headers / gRPC metadata
         self.delay_s = 0.0  # a slow backend: every gRPC answer comes this much later
         self.http_port = 0
         self._grpc: grpc.Server | None = None
@@ -68,25 +71,35 @@ class Receiver:
                         out.extend(ReceivedSpan(s, res) for s in ss.spans)
         return out
 
-    def start_grpc(self, port: int = 0) -> int:
-        """Serve OTLP/gRPC on ``port`` (0: any); ``self.delay_s`` delays every answer."""
+    def start_grpc(self, port: int = 0, tls: tuple[bytes, bytes] | None = None) -> int:
+        """Serve OTLP/gRPC on ``port`` (0: any); ``self.delay_s`` delays every answer.
+
+        ``tls``: (certificate PEM, key PEM) to serve over TLS instead.
+        """
         receiver = self
 
         class Service(trace_service_pb2_grpc.TraceServiceServicer):
             def Export(self, request, context):  # type: ignore[no-untyped-def]
                 if receiver.delay_s:
                     time.sleep(receiver.delay_s)
+                receiver.headers.append(dict(context.invocation_metadata()))
                 receiver.add(request)
                 return trace_service_pb2.ExportTraceServiceResponse()
 
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), server)
-        self.grpc_port = server.add_insecure_port(f"127.0.0.1:{port}")
+        address = f"127.0.0.1:{port}"
+        if tls is None:
+            self.grpc_port = server.add_insecure_port(address)
+        else:
+            creds = grpc.ssl_server_credentials([(tls[1], tls[0])])
+            self.grpc_port = server.add_secure_port(address, creds)
         server.start()
         self._grpc = server
         return self.grpc_port
 
-    def start_http(self) -> int:
+    def start_http(self, tls: tuple[Path, Path] | None = None) -> int:
+        """Serve OTLP/HTTP; ``tls``: (certificate file, key file) to serve HTTPS."""
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -98,6 +111,7 @@ class Receiver:
                     return
                 req = trace_service_pb2.ExportTraceServiceRequest()
                 req.ParseFromString(body)
+                receiver.headers.append({k.lower(): v for k, v in self.headers.items()})
                 receiver.add(req)
                 payload = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
                 self.send_response(200)
@@ -110,6 +124,10 @@ class Receiver:
                 pass
 
         server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        if tls is not None:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(str(tls[0]), str(tls[1]))
+            server.socket = ctx.wrap_socket(server.socket, server_side=True)
         self.http_port = server.server_address[1]
         threading.Thread(target=server.serve_forever, daemon=True).start()
         self._http = server

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import psutil
 import pytest
@@ -133,3 +134,86 @@ def test_outage_and_overflow_are_counted_reported_once_and_recovered(
     # and appends without a lock; its worker may pop in between).
     assert min(lost) > 0 and max(lost) <= failed + dropped + 1
     assert {a[S.TRACER_DROPPED_JOURNEYS] for a in after} == {0}
+
+
+def _self_signed(tmp: Path) -> tuple[Path, Path]:
+    """A throwaway certificate for 127.0.0.1 (and localhost), made here, valid one day."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_file, key_file = tmp / "cert.pem", tmp / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_file, key_file
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_tls_and_auth_headers_through_the_standard_variables(  # type: ignore[no-untyped-def]
+    monkeypatch, tmp_path, protocol: str
+) -> None:
+    """OTEL_EXPORTER_OTLP_CERTIFICATE and _HEADERS reach the exporter process and work."""
+    harness = import_harness()
+    from vllm_journey_otel import hooks
+
+    cert, key = _self_signed(tmp_path)
+    # Set in many images; requests lets it override the SDK's certificate.
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", "/etc/ssl/certs/ca-certificates.crt")
+    receiver = Receiver()
+    if protocol == "grpc":
+        port = receiver.start_grpc(tls=(cert.read_bytes(), key.read_bytes()))
+        endpoint = f"https://127.0.0.1:{port}"
+    else:
+        port = receiver.start_http(tls=(cert, key))
+        endpoint = f"https://127.0.0.1:{port}/v1/traces"
+    try:
+        _process_mode(
+            monkeypatch,
+            port,
+            OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=endpoint,
+            OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=protocol,
+            OTEL_EXPORTER_OTLP_CERTIFICATE=str(cert),
+            OTEL_EXPORTER_OTLP_HEADERS="authorization=Bearer%20s3cret,x-tenant=team-a",
+        )
+        try:
+            _run_requests(harness, "tls", 3)
+            assert hooks.flush(5.0)
+            wait_until(lambda: len(_roots(receiver, "tls")) == 3, 30, what="journeys over TLS")
+        finally:
+            hooks.uninstall()
+    finally:
+        receiver.stop()
+    assert receiver.headers, "the exporter reached the TLS receiver"
+    for headers in receiver.headers:
+        assert headers.get("authorization") == "Bearer s3cret"
+        assert headers.get("x-tenant") == "team-a"

@@ -35,6 +35,25 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(0)
 
 
+_CERTIFICATE_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", "OTEL_EXPORTER_OTLP_CERTIFICATE")
+_REQUESTS_BUNDLES = ("REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
+
+
+def _certificate_wins() -> None:
+    """Make OTEL_EXPORTER_OTLP_(TRACES_)CERTIFICATE hold for OTLP/HTTP too.
+
+    The SDK's HTTP exporter puts the certificate on its ``requests`` session, and
+    ``requests`` lets REQUESTS_CA_BUNDLE / CURL_CA_BUNDLE (common in corporate
+    images) override a session's ``verify``: the certificate the user named would
+    be ignored and every export fail verification. This process is ours alone,
+    so the bundles are dropped from its environment when a certificate is named.
+    """
+    if any(os.environ.get(name) for name in _CERTIFICATE_VARIABLES):
+        for name in _REQUESTS_BUNDLES:
+            if os.environ.pop(name, None):
+                logger.debug("journey-otel exporter: %s ignored: a certificate is set", name)
+
+
 def main(argv: list[str]) -> int:
     logging.basicConfig(
         level=logging.INFO,
@@ -43,6 +62,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C of vllm serve: finish via EOF
     attributes = json.loads(argv[1]) if len(argv) > 1 else {}
+    _certificate_wins()
     config = from_env()
     health = ExportHealth()
     gate = SdkLogGate(health)
