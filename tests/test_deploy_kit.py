@@ -861,3 +861,30 @@ def test_docs_links_resolve() -> None:
             if "://" in target:
                 continue
             assert (page.parent / target).exists(), f"{rel(page)} links to missing {target}"
+
+
+USER_PAGES = sorted(
+    [
+        *DOCS.glob("howto-*.md"),
+        *(DOCS / p for p in ("reading-a-journey.md", "troubleshooting.md", "quickstart.md")),
+        CONFIG_DOC,
+    ]
+)
+
+
+@pytest.mark.parametrize("page", USER_PAGES, ids=rel)
+def test_manual_queries_use_schema_names(page: Path) -> None:
+    """The TraceQL and PromQL a user copies from the manual name real keys."""
+    text = page.read_text()
+    assert schema_token_problems(text, rel(page)) == []
+    checked = 0
+    for block in re.findall(r"```\n(.*?)```", text, re.S):
+        for line in (raw.strip() for raw in block.splitlines()):
+            if line.startswith("{"):
+                assert traceql_refs(line)[3] == [], line
+                checked += 1
+            elif "traces_span_metrics_" in line and not line.startswith("#"):
+                assert promql_refs(line, "", GATEWAY_DIMS, TEMPO_DIMS)[2] == [], line
+                checked += 1
+    if page.name in ("howto-tempo.md", "howto-grafana.md"):
+        assert checked >= 3, "the how-to's queries were not found"
