@@ -888,3 +888,98 @@ def test_manual_queries_use_schema_names(page: Path) -> None:
                 checked += 1
     if page.name in ("howto-tempo.md", "howto-grafana.md"):
         assert checked >= 3, "the how-to's queries were not found"
+
+
+def env_default(value: Any) -> str:
+    """The collector's `${env:VAR:-default}` with VAR unset."""
+    m = re.fullmatch(r"\$\{env:[A-Z_]+:-([^}]*)\}", str(value))
+    return m.group(1) if m else str(value)
+
+
+def policies_keeping(policy_list: list[dict[str, Any]], spans: list[Any]) -> set[str]:
+    """Names of the deterministic tail-sampling policies that keep this trace.
+
+    A model of the collector's semantics for the policy types the gateway uses
+    (any span matching decides; string attributes are looked up on the span and
+    its resource); `probabilistic` is left out (it keeps a random share). An OTTL
+    condition other than `name == "..."` is refused, so the model cannot silently
+    drift from the config."""
+
+    def keeps(pol: dict[str, Any]) -> bool | None:
+        kind = pol["type"]
+        if kind == "string_attribute":
+            cfg = pol["string_attribute"]
+            return any(
+                {**dict(s.resource.attributes), **dict(s.attributes or {})}.get(cfg["key"])
+                in cfg["values"]
+                for s in spans
+            )
+        if kind == "ottl_condition":
+            names = []
+            for cond in pol["ottl_condition"]["span"]:
+                m = re.fullmatch(r'name == "([^"]+)"', cond)
+                assert m, f"the test's model does not understand {cond!r}"
+                names.append(m.group(1))
+            return any(s.name in names for s in spans)
+        if kind == "status_code":
+            codes = pol["status_code"]["status_codes"]
+            return any(s.status.status_code.name in codes for s in spans)
+        if kind == "latency":
+            start = min(s.start_time for s in spans)
+            end = max(s.end_time for s in spans)
+            return (end - start) / 1e6 >= float(env_default(pol["latency"]["threshold_ms"]))
+        if kind == "and":
+            return all(keeps(sub) for sub in pol["and"]["and_sub_policy"])
+        if kind == "probabilistic":
+            return None
+        raise AssertionError(f"the test's model does not know policy type {kind}")
+
+    return {p["name"] for p in policy_list if keeps(p)}
+
+
+@requires_vllm
+def test_gateway_policies_keep_the_journeys_they_promise() -> None:
+    """Real journeys (head sampling at ratio 0, the default in-engine tail rule)
+    against the gateway's policies, with the threshold of the shipped file."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from vllm_journey_otel import hooks
+    from vllm_journey_otel.config import MODE_THREAD, Config
+    from vllm_journey_otel.sampling import HeadSampler, TailRule
+
+    harness = import_harness()
+    exporter = InMemorySpanExporter()
+    assert hooks.install(
+        Config(enabled=True, export_mode=MODE_THREAD),
+        exporters=[exporter],
+        batch=False,
+        head=HeadSampler(parent_based=True, ratio=0.0),
+        tail=TailRule(),
+    )
+    sampled_parent = {"traceparent": f"00-{'ab' * 16}-{'cd' * 8}-01"}
+    try:
+        e = harness.Engine(num_blocks=5, max_num_batched_tokens=64, max_model_len=512)
+        e.add("A", prompt_len=14, max_tokens=20, trace_headers=sampled_parent)
+        e.step()
+        e.step()
+        e.add("B", prompt_len=32, max_tokens=5)  # preempted: kept by the engine's tail rule
+        e.add("D", prompt_len=8, max_tokens=40)  # aborted below: kept by the tail rule
+        e.step()
+        e.abort("D")
+        e.run()
+        assert hooks.flush(10)
+        assert e.requests["B"].num_preemptions > 0, "precondition: B was preempted"
+        spans = exporter.get_finished_spans()
+    finally:
+        hooks.uninstall()
+    by_trace: dict[int, list[Any]] = {}
+    for s in spans:
+        by_trace.setdefault(s.context.trace_id, []).append(s)
+    kept = {}
+    for trace in by_trace.values():
+        (root,) = [s for s in trace if s.name == S.SPAN_REQUEST]
+        kept[root.attributes[S.REQUEST_ID]] = policies_keeping(policies(), trace)
+    assert kept["B"] == {"engine-tail-kept", "preempted"}
+    assert kept["D"] == {"engine-tail-kept", "aborted"}
+    # A head-sampled, uneventful journey is left to the probabilistic share.
+    assert kept["A"] == set()
