@@ -6,7 +6,12 @@ all its work) and prints this process's RSS every 10,000 finished requests; the
 same run with the plugin off gives the baseline. Flat means: no growth from
 finished requests.
 
-    .venv/bin/python benchmarks/memory_soak.py [REQUESTS] [on|off]
+With the backend in trouble (``down``: connection refused; ``blackhole``: a TCP
+proxy that accepts and never answers), the exporter process really exports
+(OTLP gRPC, OTEL_EXPORTER_OTLP_TIMEOUT=1) and its RSS is printed too: what a
+long outage costs, with the SDK's queue bounding it.
+
+    .venv/bin/python benchmarks/memory_soak.py [REQUESTS] [on|off|down|blackhole]
 """
 
 from __future__ import annotations
@@ -18,16 +23,27 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-os.environ.setdefault("OTEL_TRACES_EXPORTER", "none")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+MODE = sys.argv[2] if len(sys.argv) > 2 else "on"
+if MODE in ("down", "blackhole"):
+    from fault_proxy import BLACKHOLE, DOWN, FaultProxy
 
-import scheduler_bench as sb
+    PROXY = FaultProxy(upstream_port=9)  # nothing behind it: never forwards
+    PROXY.set_mode(DOWN if MODE == "down" else BLACKHOLE)
+    os.environ["OTEL_TRACES_EXPORTER"] = "otlp"
+    os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = f"http://127.0.0.1:{PROXY.port}"
+    os.environ["OTEL_EXPORTER_OTLP_TIMEOUT"] = "1"
+else:
+    os.environ.setdefault("OTEL_TRACES_EXPORTER", "none")
 
-from vllm_journey_otel import hooks
-from vllm_journey_otel.config import Config
+import scheduler_bench as sb  # noqa: E402
+
+from vllm_journey_otel import hooks  # noqa: E402
+from vllm_journey_otel.config import Config  # noqa: E402
 
 
-def rss_mib() -> float:
-    with open("/proc/self/status") as f:
+def rss_mib(pid: int | str = "self") -> float:
+    with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith("VmRSS"):
                 return int(line.split()[1]) / 1024
@@ -36,28 +52,34 @@ def rss_mib() -> float:
 
 def main() -> None:
     total = int(sys.argv[1]) if len(sys.argv) > 1 else 100_000
-    mode = sys.argv[2] if len(sys.argv) > 2 else "on"
-    if mode == "on":
+    mode = MODE
+    traced = mode != "off"
+    if traced:
         hooks.install(Config(enabled=True))
-    d = sb.Driver(mode, 256, 5)
+    d = sb.Driver("on" if traced else "off", 256, 5)
     samples = []
     next_mark = 10_000
     while d.finished < total:
         d.step()
         if d.finished >= next_mark:
             gc.collect()
-            samples.append((d.finished, round(rss_mib(), 1)))
+            sample = [d.finished, round(rss_mib(), 1)]
+            pipeline = hooks.pipeline()
+            pid = getattr(pipeline.sink, "pid", None) if pipeline else None
+            if pid:
+                sample.append(round(rss_mib(pid), 1))
+            samples.append(tuple(sample))
             next_mark += 10_000
     tracker = d.engine.scheduler.__dict__.get(hooks.TRACKER_ATTR)
     print(json.dumps({
         "mode": mode,
         "finished": d.finished,
         "preemptions": d.preemptions,
-        "rss_mib_every_10k": samples,
+        "rss_mib_every_10k (finished, engine[, exporter])": samples,
         "awaiting_left": len(tracker.awaiting) if tracker else None,
         "dropped": hooks.pipeline().dropped if hooks.pipeline() else None,
     }))  # fmt: skip
-    if mode == "on":
+    if traced:
         hooks.uninstall()
 
 
