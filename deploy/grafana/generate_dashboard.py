@@ -594,8 +594,7 @@ def build() -> dict[str, Any]:
             "Spans lost or kept in the collectors",
             "Spans refused by the collectors' receivers (memory limiter) or failed "
             "by their exporters, and the gateway's tail-sampling decisions per "
-            "policy. Journeys dropped inside vLLM (the plugin's hand-off queue full) "
-            "are not a metric yet: the engine log says 'finished journeys dropped'.",
+            "policy. Losses inside vLLM are in the panel 'Lost before export'.",
             [
                 prom(
                     f"sum by (job) ({otelcol_rate('otelcol_receiver_refused_spans')})",
@@ -616,6 +615,33 @@ def build() -> dict[str, Any]:
             "ops",
         ),
         8,
+        8,
+    )
+
+    b.add(
+        timeseries(
+            "Lost before export (inside vLLM)",
+            f"Running totals carried on every `{S.SPAN_REQUEST}` root, per instance: "
+            f"`{S.TRACER_DROPPED_JOURNEYS}`, journeys the engine core dropped (its "
+            f"hand-off queue full, or the exporter process gone), and "
+            f"`{S.TRACER_LOST_SPANS}`, spans the plugin's exporter could not deliver "
+            "(export failed, or its queue full). A step up means loss since the "
+            "previous journey; both restart from 0 with vLLM.",
+            [
+                traceql_metrics(
+                    f'{{name="{S.SPAN_REQUEST}" && {TQL_SEL}}} | '
+                    f"max_over_time(span.{S.TRACER_DROPPED_JOURNEYS}) by (resource.host.name)"
+                ),
+                traceql_metrics(
+                    f'{{name="{S.SPAN_REQUEST}" && {TQL_SEL}}} | '
+                    f"max_over_time(span.{S.TRACER_LOST_SPANS}) by (resource.host.name)",
+                    "B",
+                ),
+            ],
+            "short",
+            TEMPO,
+        ),
+        24,
         8,
     )
 
