@@ -36,7 +36,8 @@ from vllm_journey_otel import schema as S
 
 pytestmark = [requires_vllm, pytest.mark.e2e]
 
-MAX_TOKENS = 2000
+# Long enough that every request is still decoding when the SIGTERM lands.
+MAX_TOKENS = 8000
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,7 +80,7 @@ def test_sigterm_with_requests_in_flight_exports_them_aborted(  # type: ignore[n
     import httpx
 
     # vLLM's defaults: --shutdown-timeout 0 (abort in-flight requests at once).
-    server = start_server(model_dir, tmp_path, receiver, layout)
+    server = start_server(model_dir, tmp_path, receiver, layout, max_model_len=8192)
     tp, trace_id, _ = new_traceparent()
     n = 8
     started = threading.Barrier(n + 1, timeout=60)
