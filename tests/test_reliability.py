@@ -14,6 +14,7 @@ import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -217,3 +218,67 @@ def test_tls_and_auth_headers_through_the_standard_variables(  # type: ignore[no
     for headers in receiver.headers:
         assert headers.get("authorization") == "Bearer s3cret"
         assert headers.get("x-tenant") == "team-a"
+
+
+def test_exporter_stalled_engine_side_drops_counted_and_carried(  # type: ignore[no-untyped-def]
+    monkeypatch, tmp_path, caplog
+) -> None:
+    """The exporter process stops reading (SIGSTOP): the pipe fills, the bounded
+    hand-off queue fills, journeys are dropped and counted without blocking the
+    engine thread; once the exporter runs again, the next journeys carry the count.
+
+    Pure pipeline with our real exporter process writing a trace file; the
+    journeys are built by the journey model (no Scheduler needed for this path).
+    """
+    import logging
+    import os
+    import signal
+
+    from vllm_journey_otel.journey import STATUS_LENGTH, RequestJourney
+    from vllm_journey_otel.pipeline import JourneyPipeline
+    from vllm_journey_otel.sinks import PipeSink
+    from vllm_journey_otel.tracefile import read_spans
+
+    out = tmp_path / "journeys.otlp.jsonl"
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp_json_file")
+    monkeypatch.setenv("VLLM_JOURNEY_OTEL_FILE", str(out))
+
+    def journey(rid: str) -> Any:
+        t = time.monotonic_ns()
+        j = RequestJourney(rid, time.time(), t, 0, 100, 8)
+        j.scheduled(t + 1000, 1, 0, 100, 100, 0)
+        j.tokens(t + 2000, 1, 1)
+        return j.finish(t + 3000, 2, STATUS_LENGTH, "length", 8, t + 3000)
+
+    sink = PipeSink.start({"service.name": "stall-test"})
+    assert sink.pid
+    pipeline = JourneyPipeline(sink, max_queue=64, start_thread=False)
+    os.kill(sink.pid, signal.SIGSTOP)
+    try:
+        with caplog.at_level(logging.WARNING, logger="vllm.journey_otel"):
+            # The engine thread's calls: submit, then publish at the end of a step.
+            now = time.monotonic_ns()
+            for i in range(20_000):
+                pipeline.submit(journey(f"stall-{i}"))
+                now += 20_000_000
+                pipeline.publish_due(now)
+            pipeline._report_drops()
+        assert pipeline.dropped > 0, "the 1 MiB pipe and 64-slot queue must overflow"
+        assert pipeline.queued <= 64
+        assert [r for r in caplog.records if "dropped so far" in r.getMessage()]
+    finally:
+        os.kill(sink.pid, signal.SIGCONT)
+    pipeline.flush(10.0)  # now the queue (and the pending bytes) can go
+    for i in range(3):
+        pipeline.submit(journey(f"later-{i}"))
+    pipeline.shutdown(10.0)
+    psutil.wait_procs([psutil.Process(sink.pid)], timeout=30)
+    roots = {
+        s.attributes[S.REQUEST_ID]: s.attributes
+        for s in read_spans([out])
+        if s.name == S.SPAN_REQUEST
+    }
+    dropped = pipeline.dropped
+    assert len([r for r in roots if str(r).startswith("stall-")]) == 20_000 - dropped
+    for i in range(3):
+        assert roots[f"later-{i}"][S.TRACER_DROPPED_JOURNEYS] == dropped
