@@ -87,6 +87,9 @@ class Engine:
         enable_prefix_caching: bool = True,
         long_prefill_token_threshold: int = 0,
         v2_runner_layout: bool = False,
+        policy: str = "fcfs",
+        num_spec_tokens: int = 0,
+        max_loras: int = 0,
     ) -> None:
         global _HASH_READY
         if not _HASH_READY:
@@ -101,10 +104,27 @@ class Engine:
             long_prefill_token_threshold=long_prefill_token_threshold,
             async_scheduling=async_scheduling,
             is_encoder_decoder=False,
+            policy=policy,
         )
         mc = ModelConfig(model=str(model_dir()), skip_tokenizer_init=True, dtype="float32", seed=0)
         cc = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching)
-        vc = VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc)
+        extra: dict[str, Any] = {}
+        if num_spec_tokens:
+            from vllm.config import SpeculativeConfig
+
+            # The n-gram proposer: no draft model to load. Drafts are fabricated
+            # below (propose), as the model runner would hand them over.
+            extra["speculative_config"] = SpeculativeConfig(
+                method="ngram",
+                num_speculative_tokens=num_spec_tokens,
+                prompt_lookup_max=4,
+                prompt_lookup_min=2,
+            )
+        if max_loras:
+            from vllm.config import LoRAConfig
+
+            extra["lora_config"] = LoRAConfig(max_loras=max_loras, max_lora_rank=8)
+        vc = VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc, **extra)
         kv = KVCacheConfig(
             num_blocks=num_blocks,
             kv_cache_tensors=[],
@@ -134,6 +154,13 @@ class Engine:
             # makes schedule() list resumed requests in scheduled_new_reqs.
             self.scheduler.use_v2_model_runner = True
         self.async_scheduling = async_scheduling
+        self.num_spec_tokens = num_spec_tokens
+        # Speculative decoding: how many of a step's drafts the fabricated model
+        # accepts, from (request id, verify steps so far, drafts scheduled).
+        self.accept_for: Callable[[str, int, int], int] = lambda rid, i, n: n
+        # request id -> [(drafts proposed, drafts accepted)] per verify step, as
+        # the fabricated model decided them.
+        self.verify_log: dict[str, list[tuple[int, int]]] = {}
         # Outputs scheduled but not yet processed (the batch queue).
         self._in_flight: deque[tuple[Any, dict[str, bool]]] = deque()
         self.token_for: Callable[[str, int], int] = lambda rid, n: TOKEN
@@ -155,6 +182,7 @@ class Engine:
         arrival_time: float | None = None,
         priority: int = 0,
         ignore_eos: bool = True,
+        lora: Any = None,
     ) -> Request:
         # crc32, not hash(): str hashes change with PYTHONHASHSEED between runs.
         fill = 100 + zlib.crc32(rid.encode()) % 800
@@ -171,6 +199,7 @@ class Engine:
             priority=priority,
             trace_headers=trace_headers,
             block_hasher=self._hasher,
+            lora_request=lora,
         )
         self.requests[rid] = req
         self.scheduler.add_request(req)
@@ -203,7 +232,15 @@ class Engine:
         for rid in ids:
             req = self.requests.get(rid)
             n = req.num_output_tokens if req is not None else 0
-            sampled.append([self.token_for(rid, n)] if sample[rid] else [])
+            tokens = [self.token_for(rid, n)] if sample[rid] else []
+            drafts = so.scheduled_spec_decode_tokens.get(rid)
+            if drafts and tokens:
+                log = self.verify_log.setdefault(rid, [])
+                accepted = min(len(drafts), self.accept_for(rid, len(log), len(drafts)))
+                log.append((len(drafts), accepted))
+                # The accepted drafts, then the token sampled after them.
+                tokens = list(drafts[:accepted]) + tokens
+            sampled.append(tokens)
         mro = ModelRunnerOutput(
             req_ids=ids,
             req_id_to_index={rid: i for i, rid in enumerate(ids)},
@@ -217,7 +254,18 @@ class Engine:
                 if getattr(out, "prefill_stats", None) is not None:
                     self.prefill_stats[out.request_id] = out.prefill_stats
                 self.outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if self.num_spec_tokens:
+            self.propose()
         return outputs
+
+    def propose(self) -> None:
+        """What the engine does after a step with a drafter: hand the scheduler
+        ``num_spec_tokens`` draft tokens for every running request."""
+        from vllm.v1.outputs import DraftTokenIds
+
+        ids = [r.request_id for r in self.scheduler.running]
+        drafts = [[TOKEN] * self.num_spec_tokens for _ in ids]
+        self.scheduler.update_draft_token_ids(DraftTokenIds(ids, drafts))
 
     def step(self) -> Any:
         """One engine step: sync = schedule then update; async = schedule N+1, update N."""

@@ -47,5 +47,6 @@ def test_enumerated_values_documented() -> None:
         S.SCHEDULE_RESUME,
         S.PHASE_PREFILL,
         S.PHASE_DECODE,
+        *S.WAIT_REASONS,
     ):
         assert f"`{value}`" in DOC, value

@@ -123,7 +123,15 @@ def check_invariants(root: Node, check_kind: bool = True) -> None:
                 assert k.start <= p.start <= p.end <= k.end
             assert S.PREFILL_CHUNKS in phases[0].attrs and S.CACHED_TOKENS in phases[0].attrs
         else:
-            assert not k.children
+            # Only waits inside the queue, in time order, within their parent.
+            assert all(w.name == S.SPAN_WAIT for w in k.children), k.shape()
+            for w in k.children:
+                assert k.start <= w.start <= w.end <= k.end
+                assert set(w.attrs) == {S.WAIT_REASON}, w.attrs
+                assert w.attrs[S.WAIT_REASON] in S.WAIT_REASONS
+                assert not w.children
+            for a, b in itertools.pairwise(k.children):
+                assert a.end <= b.start
     root_allowed = S.attributes_of(S.SPAN_REQUEST)
     assert set(root.attrs) <= root_allowed, set(root.attrs) - root_allowed
     assert root.attrs[S.NUM_PREEMPTIONS] == len(root.kids(S.SPAN_PREEMPTED))

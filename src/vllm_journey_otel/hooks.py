@@ -31,6 +31,7 @@ import functools
 import inspect
 import os
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -59,6 +60,8 @@ from .sampling import HeadSampler, TailRule
 from .sinks import PipeSink, Sink, SpanSink
 
 _now = time.monotonic_ns
+_frame = sys._getframe
+_WAIT_LORA = S.WAIT_REASONS.index(S.WAIT_LORA_SLOT)
 
 # Attribute names we set on vLLM objects.
 TRACKER_ATTR = "_vjo_tracker"
@@ -208,8 +211,11 @@ class SchedulerTracker:
         "in_update",
         "last_update_ids",
         "last_update_mono_ns",
+        "max_loras",
+        "num_sampled",
         "pipeline",
         "scheduler",
+        "spec_decode",
         "status_map",
         "step",
         "tail",
@@ -231,6 +237,12 @@ class SchedulerTracker:
         self.update_mono_ns = 0
         self.last_update_mono_ns = 0
         self.last_update_ids: Any = ()
+        vc = scheduler.vllm_config
+        self.spec_decode = getattr(vc, "speculative_config", None) is not None
+        # Tokens a step samples besides accepted drafts (0 for pooling models).
+        self.num_sampled = int(getattr(scheduler, "num_sampled_tokens_per_step", 1))
+        lora = getattr(vc, "lora_config", None)
+        self.max_loras = int(lora.max_loras) if lora is not None else 0
 
     # add_request ----------------------------------------------------------
     def before_add(self, request: Any) -> bool:
@@ -260,6 +272,7 @@ class SchedulerTracker:
                 lora.lora_name if lora is not None else None,
                 request.trace_headers,
                 sampled,
+                self.spec_decode,
             ),
         )
 
@@ -297,12 +310,52 @@ class SchedulerTracker:
             if n:
                 after = req.num_computed_tokens
                 j.stepped(step, after - n, after)
+        if self.max_loras:
+            deferred = getattr(self.scheduler, "deferred_waiting", None)
+            if deferred:
+                self._lora_waits(t, step, deferred)
+
+    def _lora_waits(self, t: int, step: int, deferred: Any) -> None:
+        """LoRA only: requests that schedule() skipped (vLLM's ``deferred_waiting``)
+        because ``max_loras`` adapters were in use and theirs was not one of them
+        wait for an adapter slot. O(skipped requests), only with a LoRA config."""
+        active: set[int] | None = None
+        for req in deferred:
+            j = getattr(req, JOURNEY_ATTR, None)
+            lora = req.lora_request
+            if j is None or lora is None:
+                continue
+            if active is None:
+                active = {
+                    r.lora_request.lora_int_id
+                    for r in self.scheduler.running
+                    if r.lora_request is not None and r.lora_request.lora_int_id > 0
+                }
+            blocked = len(active) >= self.max_loras and lora.lora_int_id not in active
+            if blocked:
+                j.wait_began(t, step, _WAIT_LORA)
+            elif j.wait_reason == _WAIT_LORA:
+                j.wait_ended(t, step)
 
     # _preempt_request ------------------------------------------------------
-    def before_preempt(self, request: Any) -> tuple[int, int, float, int, int] | None:
+    def before_preempt(self, request: Any) -> tuple[Any, ...] | None:
         if getattr(request, JOURNEY_ATTR, None) is None:
             return None
         s = self.scheduler
+        # The cause: schedule() preempts while it allocates KV blocks for the
+        # running request in its local ``request`` (both policies; with PRIORITY
+        # the victim is the lowest-priority running request). Frames: 0 this,
+        # 1 our wrapper, 2 its caller. Read only at a preemption.
+        cause_id = link = None
+        caller = _frame(2)
+        if caller.f_code.co_name == "schedule":
+            cause = caller.f_locals.get("request")
+            cid = getattr(cause, "request_id", None)
+            if cause is not request and isinstance(cid, str):
+                cause_id = cid
+                cj = getattr(cause, JOURNEY_ATTR, None)
+                if cj is not None and cj.head_sampled:
+                    link = cj.link_target()
         # Read before vLLM frees the blocks and resets num_computed_tokens: the
         # usage that forced the preemption, and the progress it throws away.
         return (
@@ -311,9 +364,11 @@ class SchedulerTracker:
             float(s.kv_cache_manager.usage),
             len(s.running),
             len(s.waiting),
+            cause_id,
+            link,
         )
 
-    def after_preempt(self, request: Any, pre: tuple[int, int, float, int, int] | None) -> None:
+    def after_preempt(self, request: Any, pre: tuple[Any, ...] | None) -> None:
         j = getattr(request, JOURNEY_ATTR, None)
         if pre is None or j is None:
             return
@@ -325,6 +380,33 @@ class SchedulerTracker:
     def before_update(self) -> None:
         self.in_update = True
         self.update_mono_ns = _now()
+
+    def spec_verified(self, scheduler_output: Any, mro: Any) -> None:
+        """Speculative decoding: drafts proposed and accepted per request this step.
+
+        Read before the original runs, so a request that finishes in it still
+        counts its last step; the same arithmetic as vLLM's spec-decode stats.
+        O(requests with drafts), and only with speculative decoding.
+        """
+        requests = self.scheduler.requests
+        index = mro.req_id_to_index
+        sampled = mro.sampled_token_ids
+        invalid = getattr(scheduler_output, "num_invalid_spec_tokens", None)
+        k = self.num_sampled
+        for rid, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            req = requests.get(rid)
+            j = getattr(req, JOURNEY_ATTR, None)
+            if j is None or not drafts:
+                continue
+            if getattr(req, "num_stale_output_tokens", 0) > 0 and req.drop_stale_output:
+                continue  # vLLM discards this output
+            i = index.get(rid)
+            generated = sampled[i] if sampled and i is not None else ()
+            if not generated and k:
+                continue
+            proposed = len(drafts) - (invalid.get(rid, 0) if invalid else 0)
+            accepted = len(generated) - k
+            j.verified(proposed, accepted if accepted > 0 else 0)
 
     def after_update(self, scheduler_output: Any) -> None:
         t = self.update_mono_ns
@@ -472,6 +554,14 @@ def _wrap_update(orig: Callable[..., Any]) -> Callable[..., Any]:
         if tr is None:
             return orig(self, scheduler_output, *args, **kwargs)
         tr.before_update()
+        if getattr(scheduler_output, "scheduled_spec_decode_tokens", None):
+            try:
+                mro = args[0] if args else kwargs["model_runner_output"]
+                tr.spec_verified(scheduler_output, mro)
+            except Exception:
+                _fail("update_from_output")
+                tr.in_update = False
+                return orig(self, scheduler_output, *args, **kwargs)
         try:
             result = orig(self, scheduler_output, *args, **kwargs)
         finally:

@@ -31,6 +31,7 @@ state (e.g. a preemption of a queued request) are ignored rather than raised.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping
 from typing import Final
 
@@ -78,12 +79,39 @@ class Scheduled(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=1):
     cached_tokens: int
 
 
+class RootIds(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Ids chosen in advance for a journey's root span, so other spans can link to it.
+
+    The 128-bit trace id is two 64-bit halves (msgpack has no larger ints); it is
+    used only when the root starts a new trace (no valid client context).
+    """
+
+    trace_hi: int
+    trace_lo: int
+    span_id: int
+
+
+class LinkTarget(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Another journey's root, as a link target: its ids and its client's headers.
+
+    The link's trace id is the client's when ``trace_headers`` carry a valid
+    ``traceparent`` (the root is then in the client's trace), else ``ids``'.
+    """
+
+    request_id: str
+    ids: RootIds
+    trace_headers: dict[str, str] | None
+
+
 class FirstToken(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=2):
     """The first token of the current cycle arrived: prefill ends, decode starts."""
 
     at: Snapshot
     # Scheduler steps of this cycle that carried prefill tokens.
     prefill_chunks: int
+    # Speculative decoding: the request's draft totals so far (0 without it).
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
 
 
 class Preempted(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=3):
@@ -98,9 +126,34 @@ class Preempted(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=3):
     kv_cache_usage: float | None
     num_running: int | None
     num_waiting: int | None
+    # Speculative decoding: the request's draft totals at the preemption.
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+    # The running request whose KV-block allocation forced this preemption, when
+    # it was another request (None: not observed, or the victim itself).
+    cause_id: str | None = None
+    # Its journey's root, when that request is traced (head-sampled).
+    cause_link: LinkTarget | None = None
 
 
-Event = Scheduled | FirstToken | Preempted
+class WaitBegan(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=4):
+    """Inside the queue (queued or preempted), the request started waiting for
+    something specific (``reason``: index into schema.WAIT_REASONS). The wait ends
+    with the next :class:`WaitEnded`, or when the queued/preempted span ends."""
+
+    t_mono_ns: int
+    step: int
+    reason: int
+
+
+class WaitEnded(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=5):
+    """The open wait ended (its cause went away) while the request stayed queued."""
+
+    t_mono_ns: int
+    step: int
+
+
+Event = Scheduled | FirstToken | Preempted | WaitBegan | WaitEnded
 
 
 class FinishedJourney(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -131,6 +184,12 @@ class FinishedJourney(msgspec.Struct, frozen=True, array_like=True, gc=False):
     trace_headers: dict[str, str] | None = None
     # False: head sampling dropped it and the tail rule kept it.
     head_sampled: bool = True
+    # Ids of the root span, chosen in advance when another span links to it.
+    root_ids: RootIds | None = None
+    # Speculative decoding was configured: the draft totals below are observed.
+    spec_decode: bool = False
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
 
 
 class RequestJourney:
@@ -146,6 +205,8 @@ class RequestJourney:
         "arrival_time_s",
         "cycle_out_start",
         "decoding",
+        "drafts_accepted",
+        "drafts_proposed",
         "events",
         "first_token_mono_ns",
         "head_sampled",
@@ -159,8 +220,11 @@ class RequestJourney:
         "priority",
         "prompt_tokens",
         "request_id",
+        "root_ids",
+        "spec_decode",
         "state",
         "trace_headers",
+        "wait_reason",
     )
 
     def __init__(
@@ -175,8 +239,15 @@ class RequestJourney:
         lora_name: str | None = None,
         trace_headers: Mapping[str, str] | None = None,
         head_sampled: bool = True,
+        spec_decode: bool = False,
     ) -> None:
         self.request_id = request_id
+        self.spec_decode = spec_decode
+        self.drafts_proposed = 0
+        self.drafts_accepted = 0
+        self.root_ids: RootIds | None = None
+        # Reason of the open wait inside the queue (-1: none).
+        self.wait_reason = -1
         self.head_sampled = head_sampled
         self.arrival_time_s = arrival_time_s
         self.prompt_tokens = prompt_tokens
@@ -219,7 +290,37 @@ class RequestJourney:
             return not self.decoding
         return self.state == PREEMPTED and self.first_token_mono_ns is None
 
+    def link_target(self) -> LinkTarget:
+        """This journey's root as a link target; picks the root's ids on first use."""
+        ids = self.root_ids
+        if ids is None:
+            bits = random.getrandbits
+            ids = self.root_ids = RootIds(bits(64), bits(64) or 1, bits(64) or 1)
+        headers = dict(self.trace_headers) if self.trace_headers else None
+        return LinkTarget(self.request_id, ids, headers)
+
     # -- transitions -------------------------------------------------------
+    def wait_began(self, t_mono_ns: int, step: int, reason: int) -> None:
+        """In the queue, the request now waits for ``reason`` (no-op if it already does)."""
+        if self.state in (QUEUED, PREEMPTED) and self.wait_reason != reason:
+            if self.wait_reason >= 0:
+                self.events.append(WaitEnded(t_mono_ns, step))
+            self.wait_reason = reason
+            self.events.append(WaitBegan(t_mono_ns, step, reason))
+
+    def wait_ended(self, t_mono_ns: int, step: int) -> None:
+        """The open wait's cause went away while the request is still in the queue."""
+        if self.wait_reason >= 0:
+            self.wait_reason = -1
+            if self.state in (QUEUED, PREEMPTED):
+                self.events.append(WaitEnded(t_mono_ns, step))
+
+    def verified(self, proposed: int, accepted: int) -> None:
+        """Speculative decoding: one verify step's drafts (proposed, accepted)."""
+        if self.state != FINISHED:
+            self.drafts_proposed += proposed
+            self.drafts_accepted += accepted
+
     def scheduled(
         self,
         t_mono_ns: int,
@@ -241,6 +342,7 @@ class RequestJourney:
             return False
         resume = self.state == PREEMPTED
         self.state = RUNNING
+        self.wait_reason = -1
         self.decoding = False
         self.prefill_chunks = 1
         self.prefill_target = num_tokens
@@ -269,7 +371,12 @@ class RequestJourney:
                 if self.first_token_mono_ns is None:
                     self.first_token_mono_ns = t_mono_ns
                 self.events.append(
-                    FirstToken(self._snap(t_mono_ns, step, output_tokens), self.prefill_chunks)
+                    FirstToken(
+                        self._snap(t_mono_ns, step, output_tokens),
+                        self.prefill_chunks,
+                        self.drafts_proposed,
+                        self.drafts_accepted,
+                    )
                 )
         elif self.state == PREEMPTED and self.first_token_mono_ns is None and output_tokens > 0:
             # Async scheduling: the token of a step that was in flight when the
@@ -286,6 +393,8 @@ class RequestJourney:
         kv_cache_usage: float | None,
         num_running: int | None,
         num_waiting: int | None,
+        cause_id: str | None = None,
+        cause_link: LinkTarget | None = None,
     ) -> None:
         """The running cycle ends by preemption (``computed_tokens`` read before vLLM resets it)."""
         if self.state != RUNNING:
@@ -299,6 +408,10 @@ class RequestJourney:
                 kv_cache_usage,
                 num_running,
                 num_waiting,
+                self.drafts_proposed,
+                self.drafts_accepted,
+                cause_id,
+                cause_link,
             )
         )
         self.state = PREEMPTED
@@ -335,6 +448,10 @@ class RequestJourney:
             lora_name=self.lora_name,
             trace_headers=dict(self.trace_headers) if self.trace_headers else None,
             head_sampled=self.head_sampled,
+            root_ids=self.root_ids,
+            spec_decode=self.spec_decode,
+            drafts_proposed=self.drafts_proposed,
+            drafts_accepted=self.drafts_accepted,
         )
         self.state = FINISHED
         self.events = []

@@ -33,6 +33,7 @@ from opentelemetry.util.types import AttributeValue
 
 from . import schema as S
 from .config import logger
+from .spans import PresetIdGenerator
 
 TRACES_EXPORTER = "OTEL_TRACES_EXPORTER"
 SDK_DISABLED = "OTEL_SDK_DISABLED"
@@ -89,7 +90,13 @@ def make_tracer_provider(
     ``batch=False`` uses a SimpleSpanProcessor (tests with an in-memory exporter).
     """
     # Sampling was decided per request in the engine (sampling.py): build all.
-    provider = TracerProvider(resource=make_resource(resource_attributes), sampler=ALWAYS_ON)
+    # PresetIdGenerator: a journey's root gets ids chosen in the engine when other
+    # spans link to it (the span that a preemption's cause is, for instance).
+    provider = TracerProvider(
+        resource=make_resource(resource_attributes),
+        sampler=ALWAYS_ON,
+        id_generator=PresetIdGenerator(),
+    )
     if exporters is None:
         exporters = build_exporters()
         if not exporters:

@@ -22,6 +22,8 @@ SPAN_SCHEDULED: Final = "vllm.scheduled"
 SPAN_PREFILL: Final = "vllm.prefill"
 SPAN_DECODE: Final = "vllm.decode"
 SPAN_PREEMPTED: Final = "vllm.preempted"
+# A wait for something specific inside vllm.queued or vllm.preempted.
+SPAN_WAIT: Final = "vllm.wait"
 
 SPAN_NAMES: Final = (
     SPAN_REQUEST,
@@ -30,6 +32,7 @@ SPAN_NAMES: Final = (
     SPAN_PREFILL,
     SPAN_DECODE,
     SPAN_PREEMPTED,
+    SPAN_WAIT,
 )
 
 # Instrumentation scope of every span we emit.
@@ -58,6 +61,15 @@ CACHED_TOKENS: Final = "vllm.journey.cached_tokens"
 KV_CACHE_USAGE: Final = "vllm.journey.kv_cache_usage"
 NUM_RUNNING: Final = "vllm.journey.num_running_reqs"
 NUM_WAITING: Final = "vllm.journey.num_waiting_reqs"
+PREEMPTED_BY: Final = "vllm.journey.preempted_by"
+
+# vllm.wait only
+WAIT_REASON: Final = "vllm.journey.wait_reason"
+
+# Speculative decoding (vllm.decode: that span's verify steps; root: the request's)
+SPEC_DRAFTS_PROPOSED: Final = "vllm.journey.spec.drafts_proposed"
+SPEC_DRAFTS_ACCEPTED: Final = "vllm.journey.spec.drafts_accepted"
+SPEC_ACCEPTANCE_RATE: Final = "vllm.journey.spec.acceptance_rate"
 
 # ---------------------------------------------------------------------------
 # Root (vllm.request) attributes
@@ -99,6 +111,10 @@ SCHEDULE_RESUME: Final = "RESUME"
 
 PHASE_PREFILL: Final = "PREFILL"
 PHASE_DECODE: Final = "DECODE"
+
+# Wait reasons (vllm.wait); the journey records their index in this tuple.
+WAIT_LORA_SLOT: Final = "lora_slot"
+WAIT_REASONS: Final = (WAIT_LORA_SLOT,)
 
 SAMPLED_HEAD: Final = "head"
 SAMPLED_TAIL: Final = "tail"
@@ -145,7 +161,9 @@ ATTRIBUTES: Final[tuple[AttributeSpec, ...]] = (
     AttributeSpec(GEN_AI_FINISH_REASONS, (SPAN_REQUEST,), "string[]", "OpenAI finish reason"),
     AttributeSpec(FINISH_STATUS, (SPAN_REQUEST,), "string", "stopped|length|aborted|ignored|error"),
     AttributeSpec(PRIORITY, (SPAN_REQUEST,), "int", "scheduling priority, when not 0"),
-    AttributeSpec(LORA_NAME, (SPAN_REQUEST,), "string", "LoRA adapter name, when set"),
+    AttributeSpec(
+        LORA_NAME, (SPAN_REQUEST, SPAN_SCHEDULED), "string", "LoRA adapter name, when set"
+    ),
     AttributeSpec(QUEUED_MS, (SPAN_REQUEST,), "double", "admission to first schedule"),
     AttributeSpec(TTFT_MS, (SPAN_REQUEST,), "double", "arrival to first token"),
     AttributeSpec(PREFILL_MS, (SPAN_REQUEST,), "double", "first schedule to first token"),
@@ -180,6 +198,19 @@ ATTRIBUTES: Final[tuple[AttributeSpec, ...]] = (
     AttributeSpec(KV_CACHE_USAGE, (SPAN_PREEMPTED,), "double", "KV-cache usage 0..1 at preemption"),
     AttributeSpec(NUM_RUNNING, (SPAN_PREEMPTED,), "int", "running queue length at preemption"),
     AttributeSpec(NUM_WAITING, (SPAN_PREEMPTED,), "int", "waiting queue length at preemption"),
+    AttributeSpec(
+        PREEMPTED_BY, (SPAN_PREEMPTED,), "string", "request whose KV allocation forced it"
+    ),
+    AttributeSpec(WAIT_REASON, (SPAN_WAIT,), "string", "what the request waited for"),
+    AttributeSpec(
+        SPEC_DRAFTS_PROPOSED, (SPAN_REQUEST, SPAN_DECODE), "int", "draft tokens proposed"
+    ),
+    AttributeSpec(
+        SPEC_DRAFTS_ACCEPTED, (SPAN_REQUEST, SPAN_DECODE), "int", "draft tokens accepted"
+    ),
+    AttributeSpec(
+        SPEC_ACCEPTANCE_RATE, (SPAN_REQUEST, SPAN_DECODE), "double", "accepted / proposed"
+    ),
 )
 
 RESOURCE_ATTRIBUTES: Final = (

@@ -41,7 +41,7 @@ from . import schema as S
 from .clock import ClockAnchor
 from .config import logger
 from .journey import FinishedJourney
-from .spans import emit_spans, plan_spans, root_context
+from .spans import PresetIdGenerator, emit_spans, plan_spans, root_context
 
 FRAME_HEADER = struct.Struct("<I")
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # Linux
@@ -80,6 +80,8 @@ class SpanSink:
         self._tracer = provider.get_tracer(S.SCOPE_NAME)
         self._clock = clock or ClockAnchor()
         self.failed = 0
+        ids = getattr(provider, "id_generator", None)
+        self._ids = ids if isinstance(ids, PresetIdGenerator) else None
 
     def offer(self, batch: Sequence[FinishedJourney]) -> bool:
         return False  # building spans is not for the engine thread: always queue
@@ -94,7 +96,7 @@ class SpanSink:
             try:
                 anchor = self._clock.anchor
                 plan = plan_spans(journey, anchor.offset_ns, anchor.uncertainty_ns)
-                emit_spans(plan, self._tracer, *root_context(journey))
+                emit_spans(plan, self._tracer, *root_context(journey), ids=self._ids)
             except Exception:
                 failed += 1
                 if self.failed + failed == 1:

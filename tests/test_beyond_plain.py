@@ -1,0 +1,287 @@
+"""Journeys beyond the plain path, recorded from a real vLLM Scheduler.
+
+Priority preemption (its cause and a link to it), speculative decoding (drafts
+per decode span and per request), LoRA (adapter on the cycles, the wait for an
+adapter slot). Each drives vLLM's own scheduler (tests/harness.py) configured as
+vLLM's tests/v1/core configure it, with fabricated model outputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import import_harness, requires_vllm
+from test_scheduler_journeys import SCHEDULERS, assert_no_state_left
+from trees import check_invariants, expected_shape
+from vllm_journey_otel import schema as S
+
+pytestmark = requires_vllm
+
+harness = import_harness()
+
+SPEC_KEYS = (S.SPEC_DRAFTS_PROPOSED, S.SPEC_DRAFTS_ACCEPTED, S.SPEC_ACCEPTANCE_RATE)
+
+
+# ---------------------------------------------------------------------------
+# Priority scheduling
+# ---------------------------------------------------------------------------
+def _priority_engine(async_scheduling: bool):  # type: ignore[no-untyped-def]
+    """A low-priority request runs; a high-priority one arrives and, when its KV
+    blocks run out, the priority policy evicts the low-priority one."""
+    e = harness.Engine(
+        async_scheduling=async_scheduling,
+        policy="priority",
+        num_blocks=5,
+        max_num_batched_tokens=64,
+        max_model_len=512,
+        max_num_seqs=8,
+    )
+    e.add("low", prompt_len=14, max_tokens=20, priority=10)
+    e.step()
+    e.step()
+    e.add("high", prompt_len=32, max_tokens=5, priority=0)
+    return e
+
+
+@SCHEDULERS
+def test_priority_preemption_names_and_links_its_cause(tracing, async_scheduling: bool) -> None:
+    e = _priority_engine(async_scheduling)
+    e.run()
+    assert e.requests["low"].num_preemptions >= 1, "precondition: low was evicted"
+    assert e.requests["high"].num_preemptions == 0
+    journeys = tracing.journeys()
+    low, high = journeys["low"], journeys["high"]
+    for j in (low, high):
+        check_invariants(j)
+    assert low.attrs[S.PRIORITY] == 10
+    assert S.PRIORITY not in high.attrs  # priority 0 is the default
+    preempted = low.kids(S.SPAN_PREEMPTED)
+    assert len(preempted) == e.requests["low"].num_preemptions
+    high_root = high.span.context
+    for p in preempted:
+        assert p.attrs[S.PREEMPTED_BY] == "high"
+        (link,) = p.span.links
+        # The link resolves to the root of high's journey, exported separately.
+        assert (link.context.trace_id, link.context.span_id) == (
+            high_root.trace_id,
+            high_root.span_id,
+        )
+        assert dict(link.attributes or {}) == {S.REQUEST_ID: "high"}
+    # Nothing else carries links.
+    for j in (low, high):
+        stack = [j]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children)
+            if node.name != S.SPAN_PREEMPTED:
+                assert not node.span.links, node.name
+    assert_no_state_left(e)
+
+
+def test_priority_cause_in_the_clients_trace(tracing) -> None:
+    """The cause came with a traceparent: its root is in the client's trace, so is the link."""
+    e = harness.Engine(
+        policy="priority", num_blocks=5, max_num_batched_tokens=64, max_model_len=512
+    )
+    e.add("low", prompt_len=14, max_tokens=20, priority=10)
+    e.step()
+    e.step()
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    e.add(
+        "high",
+        prompt_len=32,
+        max_tokens=5,
+        priority=0,
+        trace_headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"},
+    )
+    e.run()
+    journeys = tracing.journeys()
+    high = journeys["high"].span.context
+    assert high.trace_id == int(trace_id, 16)
+    (link,) = journeys["low"].kids(S.SPAN_PREEMPTED)[0].span.links
+    assert (link.context.trace_id, link.context.span_id) == (high.trace_id, high.span_id)
+
+
+def test_preemption_cause_not_traced(tracing, monkeypatch) -> None:
+    """A cause that head sampling dropped: its id is recorded, no link to nowhere."""
+    from vllm_journey_otel import hooks
+    from vllm_journey_otel.sampling import HeadSampler
+
+    # Drop exactly the request named "high" at admission (and keep no tail).
+    monkeypatch.setattr(hooks.HeadSampler, "sampled", lambda self, headers: headers is None)
+    assert isinstance(hooks._STATE.head, HeadSampler)
+    e = harness.Engine(
+        policy="priority", num_blocks=5, max_num_batched_tokens=64, max_model_len=512
+    )
+    e.add("low", prompt_len=14, max_tokens=20, priority=10)
+    e.step()
+    e.step()
+    e.add("high", prompt_len=32, max_tokens=5, priority=0, trace_headers={"x": "drop"})
+    e.run()
+    journeys = tracing.journeys()
+    assert set(journeys) == {"low"}
+    preempted = journeys["low"].kids(S.SPAN_PREEMPTED)
+    assert preempted and all(p.attrs[S.PREEMPTED_BY] == "high" for p in preempted)
+    assert all(not p.span.links for p in preempted)
+
+
+@SCHEDULERS
+@pytest.mark.parametrize(("b_prompt", "cause"), [(40, "A"), (30, None)], ids=["by-A", "by-itself"])
+def test_fcfs_preemption_cause(
+    tracing, async_scheduling: bool, b_prompt: int, cause: str | None
+) -> None:
+    """FCFS evicts the newest running request (B) for whichever running request
+    needs blocks: A's growth (B's 40-token prompt fills the cache), or B's own
+    (30 tokens: B outgrows the cache first; then nothing is named)."""
+    e = harness.Engine(
+        async_scheduling=async_scheduling,
+        num_blocks=5,
+        max_num_batched_tokens=64,
+        max_model_len=512,
+        max_num_seqs=8,
+    )
+    e.add("A", prompt_len=14, max_tokens=20)
+    e.step()
+    e.step()
+    e.add("B", prompt_len=b_prompt, max_tokens=5)
+    e.run()
+    journeys = tracing.journeys()
+    b = journeys["B"]
+    check_invariants(b)
+    preempted = b.kids(S.SPAN_PREEMPTED)
+    assert len(preempted) == e.requests["B"].num_preemptions == 1
+    assert preempted[0].attrs.get(S.PREEMPTED_BY) == cause
+    links = [lk.context.span_id for lk in preempted[0].span.links]
+    assert links == ([journeys["A"].span.context.span_id] if cause else [])
+
+
+# ---------------------------------------------------------------------------
+# Speculative decoding
+# ---------------------------------------------------------------------------
+def _spec_engine(**kw):  # type: ignore[no-untyped-def]
+    # The n-gram proposer needs no draft model. vLLM refuses async scheduling
+    # with it, so these run the synchronous scheduler.
+    e = harness.Engine(num_spec_tokens=3, **kw)
+    pattern = [3, 1, 0, 2]
+    e.accept_for = lambda rid, i, n: pattern[i % len(pattern)]
+    return e
+
+
+def test_spec_decode_drafts_on_decode_and_root(tracing) -> None:
+    e = _spec_engine()
+    e.add("s", prompt_len=20, max_tokens=30)
+    e.run()
+    log = e.verify_log["s"]
+    proposed = sum(p for p, _ in log)
+    accepted = sum(a for _, a in log)
+    assert len(log) >= 4 and 0 < accepted < proposed, log
+    j = tracing.journeys()["s"]
+    check_invariants(j)
+    assert j.shape() == expected_shape("PD")
+    # Accepted drafts are tokens: fewer steps than tokens.
+    assert j.attrs[S.GEN_AI_OUTPUT_TOKENS] == 30 == e.requests["s"].num_output_tokens
+    assert j.attrs[S.SPEC_DRAFTS_PROPOSED] == proposed
+    assert j.attrs[S.SPEC_DRAFTS_ACCEPTED] == accepted
+    assert j.attrs[S.SPEC_ACCEPTANCE_RATE] == pytest.approx(accepted / proposed)
+    prefill, decode = j.kids(S.SPAN_SCHEDULED)[0].children
+    assert decode.attrs[S.SPEC_DRAFTS_PROPOSED] == proposed
+    assert decode.attrs[S.SPEC_DRAFTS_ACCEPTED] == accepted
+    assert decode.attrs[S.SPEC_ACCEPTANCE_RATE] == pytest.approx(accepted / proposed)
+    for key in SPEC_KEYS:
+        assert key not in prefill.attrs
+    assert_no_state_left(e)
+
+
+def test_spec_decode_nothing_accepted_and_nothing_proposed(tracing) -> None:
+    e = _spec_engine()
+    e.accept_for = lambda rid, i, n: 0
+    e.add("rejects", prompt_len=20, max_tokens=5)
+    e.add("one", prompt_len=20, max_tokens=1)  # finishes with its first token: no drafts
+    e.run()
+    journeys = tracing.journeys()
+    r = journeys["rejects"]
+    check_invariants(r)
+    n = sum(p for p, _ in e.verify_log["rejects"])
+    assert n > 0
+    assert r.attrs[S.SPEC_DRAFTS_PROPOSED] == n
+    assert r.attrs[S.SPEC_DRAFTS_ACCEPTED] == 0
+    assert r.attrs[S.SPEC_ACCEPTANCE_RATE] == 0.0  # observed: every draft rejected
+    one = journeys["one"]
+    assert "one" not in e.verify_log
+    # Speculative decoding was on and proposed nothing: 0 counted, the rate unobserved.
+    assert one.attrs[S.SPEC_DRAFTS_PROPOSED] == 0
+    assert one.attrs[S.SPEC_DRAFTS_ACCEPTED] == 0
+    assert S.SPEC_ACCEPTANCE_RATE not in one.attrs
+
+
+def test_spec_decode_across_preemptions(tracing) -> None:
+    """Each cycle's decode span counts its own verify steps; they sum to the root's."""
+    e = _spec_engine(num_blocks=8, max_num_batched_tokens=64, max_model_len=512, max_num_seqs=8)
+    for i in range(4):
+        e.add(f"r{i}", prompt_len=20 + 7 * i, max_tokens=40)
+    e.run()
+    assert sum(r.num_preemptions for r in e.requests.values()) > 0, "precondition: preemptions"
+    journeys = tracing.journeys()
+    for rid, req in e.requests.items():
+        j = journeys[rid]
+        check_invariants(j)
+        log = e.verify_log.get(rid, [])
+        assert j.attrs[S.SPEC_DRAFTS_PROPOSED] == sum(p for p, _ in log)
+        assert j.attrs[S.SPEC_DRAFTS_ACCEPTED] == sum(a for _, a in log)
+        decodes = [p for c in j.kids(S.SPAN_SCHEDULED) for p in c.kids(S.SPAN_DECODE)]
+        assert sum(d.attrs[S.SPEC_DRAFTS_PROPOSED] for d in decodes) == sum(p for p, _ in log)
+        assert sum(d.attrs[S.SPEC_DRAFTS_ACCEPTED] for d in decodes) == sum(a for _, a in log)
+        assert j.attrs[S.GEN_AI_OUTPUT_TOKENS] == req.num_output_tokens == 40
+    assert_no_state_left(e)
+
+
+@SCHEDULERS
+def test_no_spec_attributes_without_spec_decoding(tracing, async_scheduling: bool) -> None:
+    """Missing is not zero: without a drafter there are no draft counts at all."""
+    e = harness.Engine(async_scheduling=async_scheduling)
+    e.add("plain", prompt_len=20, max_tokens=5)
+    e.run()
+    j = tracing.journeys()["plain"]
+    decode = j.kids(S.SPAN_SCHEDULED)[0].children[1]
+    for key in SPEC_KEYS:
+        assert key not in j.attrs and key not in decode.attrs
+
+
+# ---------------------------------------------------------------------------
+# LoRA
+# ---------------------------------------------------------------------------
+@SCHEDULERS
+def test_lora_name_on_cycles_and_wait_for_adapter_slot(tracing, async_scheduling: bool) -> None:
+    from vllm.lora.request import LoRARequest
+
+    sql = LoRARequest("sql", 1, "/nonexistent/sql")
+    chat = LoRARequest("chat", 2, "/nonexistent/chat")
+    e = harness.Engine(async_scheduling=async_scheduling, max_loras=1)
+    e.add("a", prompt_len=20, max_tokens=6, lora=sql)
+    e.add("a2", prompt_len=20, max_tokens=3, lora=sql)  # same adapter: no wait
+    e.add("b", prompt_len=20, max_tokens=4, lora=chat)  # the one slot is taken
+    e.add("plain", prompt_len=20, max_tokens=4)
+    e.run()
+    journeys = tracing.journeys()
+    for j in journeys.values():
+        check_invariants(j)
+    names = {"a": "sql", "a2": "sql", "b": "chat"}
+    for rid, name in names.items():
+        j = journeys[rid]
+        assert j.attrs[S.LORA_NAME] == name
+        assert [c.attrs[S.LORA_NAME] for c in j.kids(S.SPAN_SCHEDULED)] == [name]
+    plain = journeys["plain"]
+    assert S.LORA_NAME not in plain.attrs
+    assert S.LORA_NAME not in plain.kids(S.SPAN_SCHEDULED)[0].attrs
+    for rid in ("a", "a2", "plain"):
+        assert not journeys[rid].kids(S.SPAN_QUEUED)[0].children, rid
+    b = journeys["b"]
+    (queued,) = b.kids(S.SPAN_QUEUED)
+    (wait,) = queued.children
+    assert wait.name == S.SPAN_WAIT
+    assert wait.attrs == {S.WAIT_REASON: S.WAIT_LORA_SLOT}
+    # It waited from its first step in the queue, while sql ran, to its schedule.
+    assert wait.start < journeys["a"].end
+    assert wait.end == queued.end
+    assert wait.end - wait.start > (queued.end - queued.start) / 2
+    assert_no_state_left(e)
