@@ -285,3 +285,128 @@ def test_lora_name_on_cycles_and_wait_for_adapter_slot(tracing, async_scheduling
     assert wait.end == queued.end
     assert wait.end - wait.start > (queued.end - queued.start) / 2
     assert_no_state_left(e)
+
+
+# ---------------------------------------------------------------------------
+# Engine step view
+# ---------------------------------------------------------------------------
+@pytest.fixture
+def step_tracing(tracing):  # type: ignore[no-untyped-def]
+    """The plugin with the step view on (VLLM_JOURNEY_OTEL_STEPS=1)."""
+    from vllm_journey_otel import hooks
+    from vllm_journey_otel.config import Config
+
+    hooks.uninstall()
+    assert hooks.install(
+        Config(enabled=True, steps=True), exporters=[tracing.exporter], batch=False
+    )
+    return tracing
+
+
+def _steps(tracing):  # type: ignore[no-untyped-def]
+    spans = [s for s in tracing.spans() if s.name == S.SPAN_STEP]
+    return sorted(spans, key=lambda s: s.attributes[S.SCHEDULER_STEP])
+
+
+def _record_batches(e):  # type: ignore[no-untyped-def]
+    """The harness's schedule(), remembering what each non-empty step scheduled."""
+    batches: list[dict[str, int]] = []
+    preempted: list[int] = []
+    schedule = e.schedule
+
+    def spy():  # type: ignore[no-untyped-def]
+        so = schedule()
+        if so.num_scheduled_tokens:
+            batches.append(dict(so.num_scheduled_tokens))
+            preempted.append(len(so.preempted_req_ids))
+        return so
+
+    e.schedule = spy
+    return batches, preempted
+
+
+@SCHEDULERS
+def test_step_view_links_each_batch(step_tracing, async_scheduling: bool) -> None:
+    e = harness.Engine(
+        async_scheduling=async_scheduling,
+        num_blocks=8,
+        max_num_batched_tokens=64,
+        max_model_len=512,
+        max_num_seqs=8,
+    )
+    batches, preempted = _record_batches(e)
+    for i in range(4):
+        e.add(f"r{i}", prompt_len=20 + 7 * i, max_tokens=12)
+    e.run()
+    assert sum(r.num_preemptions for r in e.requests.values()) > 0, "precondition: preemptions"
+    steps = _steps(step_tracing)
+    journeys = step_tracing.journeys()
+    root_of = {rid: j.span.context for rid, j in journeys.items()}
+    assert len(steps) == len(batches)
+    for span, batch, n_pre in zip(steps, batches, preempted, strict=True):
+        a = span.attributes
+        assert span.parent is None  # its own trace
+        assert a[S.STEP_BATCH_SIZE] == len(batch)
+        assert a[S.STEP_PREFILL_TOKENS] + a[S.STEP_DECODE_TOKENS] == sum(batch.values())
+        assert a[S.STEP_NUM_PREEMPTIONS] == n_pre
+        assert 0.0 < a[S.KV_CACHE_USAGE] <= 1.0
+        assert a[S.NUM_RUNNING] >= 1 and a[S.NUM_WAITING] >= 0
+        assert 0.0 <= a[S.STEP_SCHEDULE_MS] <= (span.end_time - span.start_time) / 1e6
+        linked = {(lk.context.trace_id, lk.context.span_id) for lk in span.links}
+        expected = {(root_of[rid].trace_id, root_of[rid].span_id) for rid in batch}
+        assert linked == expected
+        assert sorted(lk.attributes[S.REQUEST_ID] for lk in span.links) == sorted(batch)
+    assert sum(s.attributes[S.STEP_NUM_PREEMPTIONS] for s in steps) == sum(
+        r.num_preemptions for r in e.requests.values()
+    )
+    # The same counter as the journeys' vllm.journey.scheduler_step: one per schedule().
+    numbers = [s.attributes[S.SCHEDULER_STEP] for s in steps]
+    assert len(set(numbers)) == len(numbers) and numbers[0] == 1
+    assert_no_state_left(e)
+    from vllm_journey_otel.hooks import TRACKER_ATTR
+
+    assert e.scheduler.__dict__[TRACKER_ATTR].steps_open == {}
+
+
+@SCHEDULERS
+def test_step_view_splits_prefill_and_decode(step_tracing, async_scheduling: bool) -> None:
+    e = harness.Engine(async_scheduling=async_scheduling)
+    e.add("r", prompt_len=40, max_tokens=6)
+    e.run()
+    steps = _steps(step_tracing)
+    split = [
+        (s.attributes[S.STEP_PREFILL_TOKENS], s.attributes[S.STEP_DECODE_TOKENS]) for s in steps
+    ]
+    # The prompt in one step, then one token per step (async: vLLM may schedule
+    # one step beyond the last token, which is decode too).
+    assert split[0] == (40, 0)
+    assert all(p == 0 and d == 1 for p, d in split[1:]) and len(split[1:]) >= 5, split
+
+
+def test_step_view_off_by_default(tracing) -> None:
+    from vllm_journey_otel.hooks import TRACKER_ATTR
+
+    e = harness.Engine()
+    e.add("r", prompt_len=40, max_tokens=6)
+    e.run()
+    assert e.scheduler.__dict__[TRACKER_ATTR].steps_ratio == 0.0
+    assert not [s for s in tracing.spans() if s.name == S.SPAN_STEP]
+
+
+def test_step_view_sampled_by_ratio(tracing) -> None:
+    import random
+
+    from vllm_journey_otel import hooks
+    from vllm_journey_otel.config import Config
+
+    hooks.uninstall()
+    cfg = Config(enabled=True, steps=True, steps_ratio=0.25)
+    assert hooks.install(cfg, exporters=[tracing.exporter], batch=False)
+    random.seed(7)
+    e = harness.Engine()
+    batches, _ = _record_batches(e)
+    e.add("r", prompt_len=40, max_tokens=200)
+    e.run()
+    n = len(_steps(tracing))
+    assert len(batches) == 200
+    assert 25 <= n <= 75, n  # about a quarter of 200 steps (seeded)

@@ -250,3 +250,37 @@ def test_spec_decode_plan_per_decode_span() -> None:
     root = plan[0].attributes
     # The root counts every verify step, the one in flight at the preemption too.
     assert (root[S.SPEC_DRAFTS_PROPOSED], root[S.SPEC_DRAFTS_ACCEPTED]) == (13, 6)
+
+
+def test_step_records_and_journeys_share_the_pipe_and_link() -> None:
+    """What the exporter process receives: journeys and step records in one frame;
+    a step's links resolve to the roots of the journeys it names."""
+    from vllm_journey_otel.journey import StepRecord
+    from vllm_journey_otel.sinks import DECODER, ENCODER, SpanSink
+    from vllm_journey_otel.spans import PresetIdGenerator
+
+    j = _journey()
+    j.scheduled(20 * MS, 1, 0, 100, 100, 0)
+    target = j.link_target()
+    assert j.link_target() is target  # chosen once
+    fj = j.finish(25 * MS, 1, STATUS_ABORTED, "abort", 0, None)
+    assert fj is not None and fj.root_ids == target.ids
+    step = StepRecord(1, 19 * MS, 20 * MS, 24 * MS, 1, 100, 0, 0, 0.5, 1, 0, [target])
+    back = DECODER.decode(ENCODER.encode([fj, step]))
+    assert back == [fj, step]
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(id_generator=PresetIdGenerator())
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    assert SpanSink(provider).consume(back) == 0
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    root, step_span = spans[S.SPAN_REQUEST], spans[S.SPAN_STEP]
+    assert step_span.parent is None
+    assert step_span.context.trace_id != root.context.trace_id
+    (link,) = step_span.links
+    assert (link.context.trace_id, link.context.span_id) == (
+        root.context.trace_id,
+        root.context.span_id,
+    )
+    assert step_span.attributes[S.STEP_SCHEDULE_MS] == pytest.approx(1.0)
+    assert step_span.attributes[S.STEP_PREFILL_TOKENS] == 100

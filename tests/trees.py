@@ -48,7 +48,7 @@ class Node:
 
 def journeys(spans: Iterable[ReadableSpan]) -> dict[str, Node]:
     """request id -> root node, children sorted by start time."""
-    spans = list(spans)
+    spans = [s for s in spans if s.name != S.SPAN_STEP]  # the step view: own traces
     by_id = {s.context.span_id: Node(s) for s in spans}
     roots: dict[str, Node] = {}
     for node in by_id.values():

@@ -29,6 +29,9 @@ FILE_KEEP = "VLLM_JOURNEY_OTEL_FILE_KEEP"
 # The tail rule (sampling.py).
 TAIL = "VLLM_JOURNEY_OTEL_TAIL"
 TAIL_SLOW_MS = "VLLM_JOURNEY_OTEL_TAIL_SLOW_MS"
+# The engine step view (a vllm.step span per sampled scheduler step).
+STEPS = "VLLM_JOURNEY_OTEL_STEPS"
+STEPS_RATIO = "VLLM_JOURNEY_OTEL_STEPS_RATIO"
 
 ALL_VARIABLES = (
     ENABLE,
@@ -41,6 +44,8 @@ ALL_VARIABLES = (
     FILE_KEEP,
     TAIL,
     TAIL_SLOW_MS,
+    STEPS,
+    STEPS_RATIO,
 )
 
 MODE_PROCESS = "process"
@@ -68,19 +73,23 @@ class Config:
     # Deadline for the final flush when the engine core shuts down. vLLM's parent
     # sends SIGKILL about 5 s after SIGTERM, so stay well under it.
     shutdown_timeout_s: float = 3.0
+    # The engine step view: a vllm.step span for a sampled fraction of the
+    # scheduler steps that scheduled something. Off: one boolean check per step.
+    steps: bool = False
+    steps_ratio: float = 1.0
 
 
-def _flag(env: Mapping[str, str], name: str) -> bool:
+def _flag(env: Mapping[str, str], name: str, off: str = "Journey tracing stays off") -> bool:
     raw = env.get(name, "")
     value = raw.strip().lower()
     if value in _TRUE:
         return True
     if value not in _FALSE:
         logger.warning(
-            "%s=%r is not understood; accepted values: 1/true/yes/on or 0/false/no/off. "
-            "Journey tracing stays off.",
+            "%s=%r is not understood; accepted values: 1/true/yes/on or 0/false/no/off. %s.",
             name,
             raw,
+            off,
         )
     return False
 
@@ -131,4 +140,6 @@ def from_env(env: Mapping[str, str] | None = None) -> Config:
         export_interval_ms=int(_number(env, EXPORT_INTERVAL_MS, d.export_interval_ms, 1, 60_000)),
         shutdown_timeout_s=_number(env, SHUTDOWN_TIMEOUT_S, d.shutdown_timeout_s, 0, 60),
         export_mode=_choice(env, EXPORT_MODE, d.export_mode, (MODE_PROCESS, MODE_THREAD)),
+        steps=_flag(env, STEPS, "The step view stays off"),
+        steps_ratio=_number(env, STEPS_RATIO, d.steps_ratio, 0, 1),
     )

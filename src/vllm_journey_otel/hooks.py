@@ -30,6 +30,7 @@ import atexit
 import functools
 import inspect
 import os
+import random
 import socket
 import sys
 import threading
@@ -52,7 +53,9 @@ from .journey import (
     STATUS_IGNORED,
     STATUS_LENGTH,
     STATUS_STOPPED,
+    LinkTarget,
     RequestJourney,
+    StepRecord,
 )
 from .pipeline import JourneyPipeline
 from .provider import make_tracer_provider, sdk_disabled
@@ -129,6 +132,7 @@ def _fail(where: str) -> None:
     _STATE.enabled = False
     for tracker in list(_STATE.trackers):
         tracker.awaiting.clear()
+        tracker.steps_open.clear()
 
 
 # ---------------------------------------------------------------------------
@@ -218,6 +222,8 @@ class SchedulerTracker:
         "spec_decode",
         "status_map",
         "step",
+        "steps_open",
+        "steps_ratio",
         "tail",
         "update_mono_ns",
     )
@@ -243,6 +249,11 @@ class SchedulerTracker:
         self.num_sampled = int(getattr(scheduler, "num_sampled_tokens_per_step", 1))
         lora = getattr(vc, "lora_config", None)
         self.max_loras = int(lora.max_loras) if lora is not None else 0
+        # Step view: the fraction of steps recorded (0: off), and the recorded
+        # steps whose output is not processed yet, by id() of their SchedulerOutput.
+        cfg = _STATE.config
+        self.steps_ratio = cfg.steps_ratio if cfg.steps else 0.0
+        self.steps_open: dict[int, tuple[Any, ...]] = {}
 
     # add_request ----------------------------------------------------------
     def before_add(self, request: Any) -> bool:
@@ -314,6 +325,45 @@ class SchedulerTracker:
             deferred = getattr(self.scheduler, "deferred_waiting", None)
             if deferred:
                 self._lora_waits(t, step, deferred)
+        ratio = self.steps_ratio
+        if ratio and nst and (ratio >= 1.0 or random.random() < ratio):
+            self._step_begin(t, step, out)
+
+    def _step_begin(self, t: int, step: int, out: Any) -> None:
+        """Step view only: what the step scheduled. O(batch), on sampled steps only."""
+        s = self.scheduler
+        get = s.requests.get
+        prefill = decode = 0
+        links: list[LinkTarget] = []
+        append = links.append
+        for rid, n in out.num_scheduled_tokens.items():
+            req = get(rid)
+            if req is None:
+                continue
+            # Decode: one new position (plus drafts) after the prompt and every
+            # generated token; anything further behind is prompt or recompute.
+            if req.num_computed_tokens - n >= req.num_tokens - 1 and (
+                req.num_output_tokens > 0 or req.num_output_placeholders > 0
+            ):
+                decode += n
+            else:
+                prefill += n
+            j = getattr(req, JOURNEY_ATTR, None)
+            if j is not None and j.head_sampled:
+                append(j.link or j.link_target())
+        self.steps_open[id(out)] = (
+            step,
+            t,
+            _now(),
+            len(out.num_scheduled_tokens),
+            prefill,
+            decode,
+            len(out.preempted_req_ids),
+            float(s.kv_cache_manager.usage),
+            len(s.running),
+            len(s.waiting),
+            links,
+        )
 
     def _lora_waits(self, t: int, step: int, deferred: Any) -> None:
         """LoRA only: requests that schedule() skipped (vLLM's ``deferred_waiting``)
@@ -413,6 +463,11 @@ class SchedulerTracker:
         self.in_update = False
         self.last_update_mono_ns = t
         self.last_update_ids = scheduler_output.num_scheduled_tokens
+        if self.steps_open:
+            rec = self.steps_open.pop(id(scheduler_output), None)
+            if rec is not None:
+                step, t0, t1, *rest = rec
+                self.pipeline.submit(StepRecord(step, t0, t1, _now(), *rest))
         # The last step before idling hands everything on: no later step would.
         self.pipeline.publish_due(t, force=not self.scheduler.requests)
         awaiting = self.awaiting

@@ -156,7 +156,7 @@ class WaitEnded(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=5):
 Event = Scheduled | FirstToken | Preempted | WaitBegan | WaitEnded
 
 
-class FinishedJourney(msgspec.Struct, frozen=True, array_like=True, gc=False):
+class FinishedJourney(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=10):
     """Everything needed to build a request's spans, recorded on the engine thread.
 
     Cheap to build (references and ints) and cheap to encode with msgspec, so it
@@ -192,6 +192,33 @@ class FinishedJourney(msgspec.Struct, frozen=True, array_like=True, gc=False):
     drafts_accepted: int = 0
 
 
+class StepRecord(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=11):
+    """One sampled scheduler step (the opt-in step view), recorded on the engine thread.
+
+    From the start of ``schedule()`` to the end of the ``update_from_output()``
+    that processed its output (with async scheduling, after the next schedule).
+    """
+
+    step: int
+    start_mono_ns: int
+    scheduled_mono_ns: int
+    end_mono_ns: int
+    batch_size: int
+    prefill_tokens: int
+    decode_tokens: int
+    # Preemptions since the previous step's schedule (vLLM's preempted_req_ids).
+    num_preemptions: int
+    kv_cache_usage: float
+    num_running: int
+    num_waiting: int
+    # Roots of the traced (head-sampled) journeys in the batch.
+    links: list[LinkTarget]
+
+
+# What the engine hands on to be exported.
+Record = FinishedJourney | StepRecord
+
+
 class RequestJourney:
     """Mutable per-request state while the request is in flight.
 
@@ -211,6 +238,7 @@ class RequestJourney:
         "first_token_mono_ns",
         "head_sampled",
         "last_cycle_step",
+        "link",
         "lora_name",
         "max_tokens",
         "num_preemptions",
@@ -246,6 +274,7 @@ class RequestJourney:
         self.drafts_proposed = 0
         self.drafts_accepted = 0
         self.root_ids: RootIds | None = None
+        self.link: LinkTarget | None = None
         # Reason of the open wait inside the queue (-1: none).
         self.wait_reason = -1
         self.head_sampled = head_sampled
@@ -291,13 +320,15 @@ class RequestJourney:
         return self.state == PREEMPTED and self.first_token_mono_ns is None
 
     def link_target(self) -> LinkTarget:
-        """This journey's root as a link target; picks the root's ids on first use."""
-        ids = self.root_ids
-        if ids is None:
+        """This journey's root as a link target; picks the root's ids on first use
+        (the same immutable object after that: a step view links it every step)."""
+        target = self.link
+        if target is None:
             bits = random.getrandbits
             ids = self.root_ids = RootIds(bits(64), bits(64) or 1, bits(64) or 1)
-        headers = dict(self.trace_headers) if self.trace_headers else None
-        return LinkTarget(self.request_id, ids, headers)
+            headers = dict(self.trace_headers) if self.trace_headers else None
+            target = self.link = LinkTarget(self.request_id, ids, headers)
+        return target
 
     # -- transitions -------------------------------------------------------
     def wait_began(self, t_mono_ns: int, step: int, reason: int) -> None:

@@ -22,7 +22,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
     SimpleSpanProcessor,
@@ -36,6 +36,11 @@ from .config import logger
 from .spans import PresetIdGenerator
 
 TRACES_EXPORTER = "OTEL_TRACES_EXPORTER"
+LINK_COUNT_LIMIT = "OTEL_SPAN_LINK_COUNT_LIMIT"
+# A vllm.step span links every traced journey of its batch: the SDK's default
+# limit (128 links) is below vLLM's usual max_num_seqs, so ours is this, unless
+# the user set OTEL_SPAN_LINK_COUNT_LIMIT. Journey spans carry at most one link.
+MAX_LINKS = 16384
 SDK_DISABLED = "OTEL_SDK_DISABLED"
 
 
@@ -96,6 +101,7 @@ def make_tracer_provider(
         resource=make_resource(resource_attributes),
         sampler=ALWAYS_ON,
         id_generator=PresetIdGenerator(),
+        span_limits=None if LINK_COUNT_LIMIT in os.environ else SpanLimits(max_links=MAX_LINKS),
     )
     if exporters is None:
         exporters = build_exporters()

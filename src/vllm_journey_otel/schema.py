@@ -24,6 +24,8 @@ SPAN_DECODE: Final = "vllm.decode"
 SPAN_PREEMPTED: Final = "vllm.preempted"
 # A wait for something specific inside vllm.queued or vllm.preempted.
 SPAN_WAIT: Final = "vllm.wait"
+# The opt-in step view: one scheduler step, its own trace.
+SPAN_STEP: Final = "vllm.step"
 
 SPAN_NAMES: Final = (
     SPAN_REQUEST,
@@ -33,6 +35,7 @@ SPAN_NAMES: Final = (
     SPAN_DECODE,
     SPAN_PREEMPTED,
     SPAN_WAIT,
+    SPAN_STEP,
 )
 
 # Instrumentation scope of every span we emit.
@@ -65,6 +68,13 @@ PREEMPTED_BY: Final = "vllm.journey.preempted_by"
 
 # vllm.wait only
 WAIT_REASON: Final = "vllm.journey.wait_reason"
+
+# vllm.step only (also SCHEDULER_STEP, KV_CACHE_USAGE, NUM_RUNNING, NUM_WAITING)
+STEP_BATCH_SIZE: Final = "vllm.step.batch_size"
+STEP_PREFILL_TOKENS: Final = "vllm.step.prefill_tokens"
+STEP_DECODE_TOKENS: Final = "vllm.step.decode_tokens"
+STEP_NUM_PREEMPTIONS: Final = "vllm.step.num_preemptions"
+STEP_SCHEDULE_MS: Final = "vllm.step.schedule_ms"
 
 # Speculative decoding (vllm.decode: that span's verify steps; root: the request's)
 SPEC_DRAFTS_PROPOSED: Final = "vllm.journey.spec.drafts_proposed"
@@ -190,18 +200,31 @@ ATTRIBUTES: Final[tuple[AttributeSpec, ...]] = (
     AttributeSpec(DECODE_DONE_TOKENS, _BELOW_ROOT, "int", "tokens generated so far"),
     AttributeSpec(DECODE_MAX_TOKENS, _BELOW_ROOT, "int", "max_tokens"),
     AttributeSpec(PHASE, _BELOW_ROOT, "string", "PREFILL|DECODE"),
-    AttributeSpec(SCHEDULER_STEP, _BELOW_ROOT, "int", "plugin's scheduler step counter"),
+    AttributeSpec(
+        SCHEDULER_STEP, (*_BELOW_ROOT, SPAN_STEP), "int", "plugin's scheduler step counter"
+    ),
     AttributeSpec(SCHEDULE_KIND, (SPAN_SCHEDULED,), "string", "FIRST|RESUME"),
     AttributeSpec(CYCLE, (SPAN_SCHEDULED,), "int", "0, 1, ... per running cycle"),
     AttributeSpec(PREFILL_CHUNKS, (SPAN_PREFILL,), "int", "scheduler steps carrying prefill"),
     AttributeSpec(CACHED_TOKENS, (SPAN_PREFILL,), "int", "tokens already computed at cycle start"),
-    AttributeSpec(KV_CACHE_USAGE, (SPAN_PREEMPTED,), "double", "KV-cache usage 0..1 at preemption"),
-    AttributeSpec(NUM_RUNNING, (SPAN_PREEMPTED,), "int", "running queue length at preemption"),
-    AttributeSpec(NUM_WAITING, (SPAN_PREEMPTED,), "int", "waiting queue length at preemption"),
+    AttributeSpec(
+        KV_CACHE_USAGE, (SPAN_PREEMPTED, SPAN_STEP), "double", "KV-cache usage 0..1 at the moment"
+    ),
+    AttributeSpec(
+        NUM_RUNNING, (SPAN_PREEMPTED, SPAN_STEP), "int", "running queue length at the moment"
+    ),
+    AttributeSpec(
+        NUM_WAITING, (SPAN_PREEMPTED, SPAN_STEP), "int", "waiting queue length at the moment"
+    ),
     AttributeSpec(
         PREEMPTED_BY, (SPAN_PREEMPTED,), "string", "request whose KV allocation forced it"
     ),
     AttributeSpec(WAIT_REASON, (SPAN_WAIT,), "string", "what the request waited for"),
+    AttributeSpec(STEP_BATCH_SIZE, (SPAN_STEP,), "int", "requests scheduled in the step"),
+    AttributeSpec(STEP_PREFILL_TOKENS, (SPAN_STEP,), "int", "scheduled prompt/recompute tokens"),
+    AttributeSpec(STEP_DECODE_TOKENS, (SPAN_STEP,), "int", "scheduled decode tokens"),
+    AttributeSpec(STEP_NUM_PREEMPTIONS, (SPAN_STEP,), "int", "preemptions in the step"),
+    AttributeSpec(STEP_SCHEDULE_MS, (SPAN_STEP,), "double", "time in schedule()"),
     AttributeSpec(
         SPEC_DRAFTS_PROPOSED, (SPAN_REQUEST, SPAN_DECODE), "int", "draft tokens proposed"
     ),

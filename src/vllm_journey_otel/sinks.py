@@ -14,7 +14,7 @@
   it exits on end-of-file after exporting everything it received.
 
 Wire format (stdin of the exporter): frames of a 4-byte little-endian length and
-a msgpack-encoded ``list[FinishedJourney]``.
+a msgpack-encoded ``list[Record]`` (finished journeys and sampled steps).
 
 Threading: ``consume`` is called by the pipeline's drain thread only.
 """
@@ -35,13 +35,16 @@ from collections.abc import Mapping, Sequence
 from typing import IO, Any, Protocol
 
 import msgspec
+from opentelemetry import context as otel_context
 from opentelemetry.sdk.trace import TracerProvider
 
 from . import schema as S
 from .clock import ClockAnchor
 from .config import logger
-from .journey import FinishedJourney
-from .spans import PresetIdGenerator, emit_spans, plan_spans, root_context
+from .journey import Record, StepRecord
+from .spans import PresetIdGenerator, emit_spans, plan_spans, plan_step, root_context
+
+NO_PARENT = otel_context.Context()
 
 FRAME_HEADER = struct.Struct("<I")
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # Linux
@@ -49,20 +52,20 @@ F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # Linux
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 
 ENCODER = msgspec.msgpack.Encoder()
-DECODER = msgspec.msgpack.Decoder(list[FinishedJourney])
+DECODER = msgspec.msgpack.Decoder(list[Record])
 
 
 class Sink(Protocol):
     """Receives batches of finished journeys from the drain thread."""
 
-    def offer(self, batch: Sequence[FinishedJourney]) -> bool:
+    def offer(self, batch: Sequence[Record]) -> bool:
         """Engine thread: take the batch now if that cannot block; False = queue it."""
 
     @property
     def pending(self) -> bool:
         """Whether bytes taken by ``offer`` still wait for the drain thread."""
 
-    def consume(self, batch: Sequence[FinishedJourney]) -> int:
+    def consume(self, batch: Sequence[Record]) -> int:
         """Handle a batch; returns how many journeys failed."""
 
     def flush(self, timeout_s: float) -> bool:
@@ -83,18 +86,21 @@ class SpanSink:
         ids = getattr(provider, "id_generator", None)
         self._ids = ids if isinstance(ids, PresetIdGenerator) else None
 
-    def offer(self, batch: Sequence[FinishedJourney]) -> bool:
+    def offer(self, batch: Sequence[Record]) -> bool:
         return False  # building spans is not for the engine thread: always queue
 
     @property
     def pending(self) -> bool:
         return False
 
-    def consume(self, batch: Sequence[FinishedJourney]) -> int:
+    def consume(self, batch: Sequence[Record]) -> int:
         failed = 0
         for journey in batch:
             try:
                 anchor = self._clock.anchor
+                if isinstance(journey, StepRecord):
+                    emit_spans([plan_step(journey, anchor.offset_ns)], self._tracer, NO_PARENT)
+                    continue
                 plan = plan_spans(journey, anchor.offset_ns, anchor.uncertainty_ns)
                 emit_spans(plan, self._tracer, *root_context(journey), ids=self._ids)
             except Exception:
@@ -188,7 +194,7 @@ class PipeSink:
         return cls(write_fd)
 
     @staticmethod
-    def _frame(batch: Sequence[FinishedJourney]) -> bytes:
+    def _frame(batch: Sequence[Record]) -> bytes:
         payload = ENCODER.encode(list(batch))
         return FRAME_HEADER.pack(len(payload)) + payload
 
@@ -204,7 +210,7 @@ class PipeSink:
     def pending(self) -> bool:
         return bool(self._pending)
 
-    def offer(self, batch: Sequence[FinishedJourney]) -> bool:
+    def offer(self, batch: Sequence[Record]) -> bool:
         if self.broken or not batch or not self._lock.acquire(blocking=False):
             return False
         try:
@@ -239,7 +245,7 @@ class PipeSink:
             view = view[n:]
         return True
 
-    def consume(self, batch: Sequence[FinishedJourney]) -> int:
+    def consume(self, batch: Sequence[Record]) -> int:
         if self.broken:
             return len(batch)
         with self._lock:

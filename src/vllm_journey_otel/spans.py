@@ -37,6 +37,7 @@ from .journey import (
     RootIds,
     Scheduled,
     Snapshot,
+    StepRecord,
     WaitBegan,
     WaitEnded,
 )
@@ -256,6 +257,24 @@ def plan_spans(j: FinishedJourney, offset_ns: int, uncertainty_ns: int = 0) -> l
 _STATUS_ERROR = S.FINISH_STATUSES.index(S.FINISH_ERROR)
 
 
+def plan_step(rec: StepRecord, offset_ns: int) -> PlannedSpan:
+    """The vllm.step span of a sampled scheduler step (its own trace), in epoch ns."""
+    start = rec.start_mono_ns + offset_ns
+    end = max(start, rec.end_mono_ns + offset_ns)
+    attrs: dict[str, AttributeValue] = {
+        S.SCHEDULER_STEP: rec.step,
+        S.STEP_BATCH_SIZE: rec.batch_size,
+        S.STEP_PREFILL_TOKENS: rec.prefill_tokens,
+        S.STEP_DECODE_TOKENS: rec.decode_tokens,
+        S.STEP_NUM_PREEMPTIONS: rec.num_preemptions,
+        S.STEP_SCHEDULE_MS: max(0.0, (rec.scheduled_mono_ns - rec.start_mono_ns) / _NS_PER_MS),
+        S.KV_CACHE_USAGE: rec.kv_cache_usage,
+        S.NUM_RUNNING: rec.num_running,
+        S.NUM_WAITING: rec.num_waiting,
+    }
+    return PlannedSpan(S.SPAN_STEP, start, end, None, attrs, links=[link_to(t) for t in rec.links])
+
+
 def _root_attributes(
     j: FinishedJourney,
     first_sched: Scheduled | None,
@@ -377,7 +396,7 @@ def emit_spans(
             context=ctx,
             kind=p.kind,
             attributes=p.attributes,
-            links=links if p.parent is None else p.links,
+            links=[*links, *p.links] if p.parent is None else p.links,
             start_time=p.start_unix_ns,
             record_exception=False,
             set_status_on_exception=False,
