@@ -73,6 +73,25 @@ def model_dir() -> Path:
     return _MODEL_DIR
 
 
+class AcceptAllGrammar:
+    """A compiled grammar that accepts every token (no tokenizer here to compile one)."""
+
+    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+        return True
+
+    def validate_tokens(self, tokens: list[int]) -> list[int]:
+        return tokens
+
+    def rollback(self, num_tokens: int) -> None:
+        pass
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def reset(self) -> None:
+        pass
+
+
 class Engine:
     """A real Scheduler plus a fabricated model runner."""
 
@@ -183,12 +202,20 @@ class Engine:
         priority: int = 0,
         ignore_eos: bool = True,
         lora: Any = None,
+        json_schema: str | None = None,
     ) -> Request:
         # crc32, not hash(): str hashes change with PYTHONHASHSEED between runs.
         fill = 100 + zlib.crc32(rid.encode()) % 800
         tokens = prompt if prompt is not None else [fill] * prompt_len
+        extra: dict[str, Any] = {}
+        if json_schema is not None:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            # The request waits for its grammar (WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR)
+            # until the test sets one: compile_grammar().
+            extra["structured_outputs"] = StructuredOutputsParams(json=json_schema)
         sp = SamplingParams(
-            max_tokens=max_tokens, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos
+            max_tokens=max_tokens, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, **extra
         )
         req = Request(
             request_id=rid,
@@ -204,6 +231,13 @@ class Engine:
         self.requests[rid] = req
         self.scheduler.add_request(req)
         return req
+
+    def compile_grammar(self, rid: str, error: bool = False) -> None:
+        """The grammar of a structured-output request is ready (or failed), as the
+        StructuredOutputManager's compile thread would leave it."""
+        sor = self.requests[rid].structured_output_request
+        assert sor is not None
+        sor.grammar = ValueError("bad schema") if error else AcceptAllGrammar()  # type: ignore[assignment]
 
     def abort(self, *rids: str) -> None:
         self.scheduler.finish_requests(list(rids), RequestStatus.FINISHED_ABORTED)

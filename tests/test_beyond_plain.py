@@ -410,3 +410,41 @@ def test_step_view_sampled_by_ratio(tracing) -> None:
     n = len(_steps(tracing))
     assert len(batches) == 200
     assert 25 <= n <= 75, n  # about a quarter of 200 steps (seeded)
+
+
+# ---------------------------------------------------------------------------
+# Waits inside the queue: structured-output grammar
+# ---------------------------------------------------------------------------
+@SCHEDULERS
+def test_wait_for_structured_output_grammar(tracing, async_scheduling: bool) -> None:
+    e = harness.Engine(async_scheduling=async_scheduling)
+    schema = '{"type": "object"}'
+    e.add("json", prompt_len=20, max_tokens=4, json_schema=schema)
+    e.add("broken", prompt_len=20, max_tokens=4, json_schema=schema)
+    e.add("plain", prompt_len=20, max_tokens=4)
+    for _ in range(3):
+        e.step()
+    assert e.requests["json"].num_output_tokens == 0, "precondition: blocked on its grammar"
+    e.compile_grammar("json")
+    e.compile_grammar("broken", error=True)
+    e.run()
+    journeys = tracing.journeys()
+    for j in journeys.values():
+        check_invariants(j)
+    assert not journeys["plain"].kids(S.SPAN_QUEUED)[0].children
+    for rid in ("json", "broken"):
+        (queued,) = journeys[rid].kids(S.SPAN_QUEUED)
+        (wait,) = queued.children
+        assert wait.attrs == {S.WAIT_REASON: S.WAIT_GRAMMAR}
+        # From admission to the step that found the grammar compiled (or failed).
+        assert (wait.start, wait.end) == (queued.start, queued.end)
+        assert wait.end > journeys["plain"].kids(S.SPAN_QUEUED)[0].end
+    assert journeys["json"].shape()[1][1:] == expected_shape("PD")[1][1:]
+    # A grammar that failed to compile: vLLM ends the request with an error.
+    broken = journeys["broken"]
+    assert broken.attrs[S.FINISH_STATUS] == S.FINISH_ERROR
+    assert [k.name for k in broken.children] == [S.SPAN_QUEUED]
+    assert_no_state_left(e)
+    from vllm_journey_otel.hooks import TRACKER_ATTR
+
+    assert e.scheduler.__dict__[TRACKER_ATTR].blocked == {}

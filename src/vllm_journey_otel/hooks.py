@@ -65,6 +65,11 @@ from .sinks import PipeSink, Sink, SpanSink
 _now = time.monotonic_ns
 _frame = sys._getframe
 _WAIT_LORA = S.WAIT_REASONS.index(S.WAIT_LORA_SLOT)
+# vLLM request statuses that mean "waiting for something specific" -> wait reason.
+_STATUS_WAITS = {
+    "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR": S.WAIT_REASONS.index(S.WAIT_GRAMMAR),
+    "WAITING_FOR_REMOTE_KVS": S.WAIT_REASONS.index(S.WAIT_REMOTE_KV),
+}
 
 # Attribute names we set on vLLM objects.
 TRACKER_ATTR = "_vjo_tracker"
@@ -104,6 +109,7 @@ class _State:
         # (class, name) -> (original, whether the class defined it or inherited it)
         self.originals: dict[tuple[type, str], tuple[Callable[..., Any], bool]] = {}
         self.status_map: dict[Any, tuple[int, str]] = {}
+        self.status_waits: dict[Any, int] = {}
         self.pipeline: JourneyPipeline | None = None
         self.pipeline_pid = 0
         # Tests inject an exporter; otherwise the OTEL_* variables decide.
@@ -133,6 +139,7 @@ def _fail(where: str) -> None:
     for tracker in list(_STATE.trackers):
         tracker.awaiting.clear()
         tracker.steps_open.clear()
+        tracker.blocked.clear()
 
 
 # ---------------------------------------------------------------------------
@@ -210,6 +217,8 @@ class SchedulerTracker:
     __slots__ = (
         "__weakref__",
         "awaiting",
+        "blocked",
+        "has_connector",
         "head",
         "hook_preempt",
         "in_update",
@@ -221,6 +230,7 @@ class SchedulerTracker:
         "scheduler",
         "spec_decode",
         "status_map",
+        "status_waits",
         "step",
         "steps_open",
         "steps_ratio",
@@ -249,6 +259,12 @@ class SchedulerTracker:
         self.num_sampled = int(getattr(scheduler, "num_sampled_tokens_per_step", 1))
         lora = getattr(vc, "lora_config", None)
         self.max_loras = int(lora.max_loras) if lora is not None else 0
+        # Waits that vLLM expresses as a request status (grammar, remote KV):
+        # status -> reason, and the requests in such a wait (checked per step).
+        self.status_waits: dict[Any, int] = _STATE.status_waits
+        self.blocked: dict[str, tuple[Any, RequestJourney, Any]] = {}
+        # A KV connector can put requests into WAITING_FOR_REMOTE_KVS in schedule().
+        self.has_connector = getattr(scheduler, "connector", None) is not None
         # Step view: the fraction of steps recorded (0: off), and the recorded
         # steps whose output is not processed yet, by id() of their SchedulerOutput.
         cfg = _STATE.config
@@ -269,23 +285,24 @@ class SchedulerTracker:
             return  # an unsampled request costs this decision and nothing else
         sp = request.sampling_params
         lora = request.lora_request
-        setattr(
-            request,
-            JOURNEY_ATTR,
-            RequestJourney(
-                request.request_id,
-                request.arrival_time,
-                _now(),
-                self.step,
-                request.num_prompt_tokens,
-                sp.max_tokens if sp is not None else None,
-                request.priority,
-                lora.lora_name if lora is not None else None,
-                request.trace_headers,
-                sampled,
-                self.spec_decode,
-            ),
+        j = RequestJourney(
+            request.request_id,
+            request.arrival_time,
+            _now(),
+            self.step,
+            request.num_prompt_tokens,
+            sp.max_tokens if sp is not None else None,
+            request.priority,
+            lora.lora_name if lora is not None else None,
+            request.trace_headers,
+            sampled,
+            self.spec_decode,
         )
+        setattr(request, JOURNEY_ATTR, j)
+        reason = self.status_waits.get(request.status)
+        if reason is not None:  # a grammar to compile before it can be scheduled
+            j.wait_began(j.admitted.t_mono_ns, self.step, reason)
+            self.blocked[request.request_id] = (request, j, request.status)
 
     # schedule --------------------------------------------------------------
     def after_schedule(self, t: int, out: Any) -> None:
@@ -321,10 +338,12 @@ class SchedulerTracker:
             if n:
                 after = req.num_computed_tokens
                 j.stepped(step, after - n, after)
-        if self.max_loras:
+        if self.blocked:
+            self._blocked_waits(t, step)
+        if self.max_loras or self.has_connector:
             deferred = getattr(self.scheduler, "deferred_waiting", None)
             if deferred:
-                self._lora_waits(t, step, deferred)
+                self._deferred_waits(t, step, deferred)
         ratio = self.steps_ratio
         if ratio and nst and (ratio >= 1.0 or random.random() < ratio):
             self._step_begin(t, step, out)
@@ -365,15 +384,39 @@ class SchedulerTracker:
             links,
         )
 
-    def _lora_waits(self, t: int, step: int, deferred: Any) -> None:
-        """LoRA only: requests that schedule() skipped (vLLM's ``deferred_waiting``)
-        because ``max_loras`` adapters were in use and theirs was not one of them
-        wait for an adapter slot. O(skipped requests), only with a LoRA config."""
+    def _blocked_waits(self, t: int, step: int) -> None:
+        """Requests in a status wait: the wait ends when vLLM changes the status
+        (it notices a compiled grammar or a finished KV load in schedule())."""
+        done = [rid for rid, (req, _, status) in self.blocked.items() if req.status != status]
+        for rid in done:
+            _, j, status = self.blocked.pop(rid)
+            j.wait_ended(t, step, self.status_waits[status])
+
+    def _deferred_waits(self, t: int, step: int, deferred: Any) -> None:
+        """Requests that schedule() skipped (vLLM's ``deferred_waiting``), only with
+        a LoRA config or a KV connector; O(skipped requests).
+
+        * Waiting for remote KV: the connector started an asynchronous load
+          (status WAITING_FOR_REMOTE_KVS); tracked in ``blocked`` from then on.
+        * Waiting for an adapter slot: ``max_loras`` adapters were in use by
+          running requests and the request's own was not one of them.
+        """
         active: set[int] | None = None
+        blocked = self.blocked
         for req in deferred:
             j = getattr(req, JOURNEY_ATTR, None)
+            if j is None:
+                continue
+            status = req.status
+            reason = self.status_waits.get(status)
+            if reason is not None:
+                rid = req.request_id
+                if rid not in blocked:
+                    j.wait_began(t, step, reason)
+                    blocked[rid] = (req, j, status)
+                continue
             lora = req.lora_request
-            if j is None or lora is None:
+            if lora is None or not self.max_loras:
                 continue
             if active is None:
                 active = {
@@ -381,11 +424,10 @@ class SchedulerTracker:
                     for r in self.scheduler.running
                     if r.lora_request is not None and r.lora_request.lora_int_id > 0
                 }
-            blocked = len(active) >= self.max_loras and lora.lora_int_id not in active
-            if blocked:
+            if len(active) >= self.max_loras and lora.lora_int_id not in active:
                 j.wait_began(t, step, _WAIT_LORA)
             elif j.wait_reason == _WAIT_LORA:
-                j.wait_ended(t, step)
+                j.wait_ended(t, step, _WAIT_LORA)
 
     # _preempt_request ------------------------------------------------------
     def before_preempt(self, request: Any) -> tuple[Any, ...] | None:
@@ -494,6 +536,8 @@ class SchedulerTracker:
         setattr(request, JOURNEY_ATTR, None)
         rid = request.request_id
         self.awaiting.pop(rid, None)
+        if self.blocked:
+            self.blocked.pop(rid, None)
         out_tokens = request.num_output_tokens
         last: int | None
         if self.in_update:
@@ -798,6 +842,11 @@ def install(
             _STATE.exporters = exporters
             _STATE.batch = batch
             _STATE.status_map = _status_map(request_status)
+            _STATE.status_waits = {
+                getattr(request_status, name): reason
+                for name, reason in _STATUS_WAITS.items()
+                if hasattr(request_status, name)
+            }
             # Read once per process; trackers built from now on use them.
             _STATE.head = head if head is not None else HeadSampler.from_env(os.environ)
             _STATE.tail = tail if tail is not None else TailRule.from_env(os.environ)

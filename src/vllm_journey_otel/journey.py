@@ -339,9 +339,10 @@ class RequestJourney:
             self.wait_reason = reason
             self.events.append(WaitBegan(t_mono_ns, step, reason))
 
-    def wait_ended(self, t_mono_ns: int, step: int) -> None:
-        """The open wait's cause went away while the request is still in the queue."""
-        if self.wait_reason >= 0:
+    def wait_ended(self, t_mono_ns: int, step: int, reason: int = -1) -> None:
+        """The open wait's cause went away while the request is still in the queue
+        (``reason``: only if that is the open wait's reason; -1: whichever)."""
+        if self.wait_reason >= 0 and (reason < 0 or reason == self.wait_reason):
             self.wait_reason = -1
             if self.state in (QUEUED, PREEMPTED):
                 self.events.append(WaitEnded(t_mono_ns, step))

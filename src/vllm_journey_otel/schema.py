@@ -124,7 +124,9 @@ PHASE_DECODE: Final = "DECODE"
 
 # Wait reasons (vllm.wait); the journey records their index in this tuple.
 WAIT_LORA_SLOT: Final = "lora_slot"
-WAIT_REASONS: Final = (WAIT_LORA_SLOT,)
+WAIT_GRAMMAR: Final = "structured_output_grammar"
+WAIT_REMOTE_KV: Final = "remote_kv"
+WAIT_REASONS: Final = (WAIT_LORA_SLOT, WAIT_GRAMMAR, WAIT_REMOTE_KV)
 
 SAMPLED_HEAD: Final = "head"
 SAMPLED_TAIL: Final = "tail"
