@@ -109,6 +109,7 @@ class Engine:
         policy: str = "fcfs",
         num_spec_tokens: int = 0,
         max_loras: int = 0,
+        remote_kv: bool = False,
     ) -> None:
         global _HASH_READY
         if not _HASH_READY:
@@ -143,6 +144,16 @@ class Engine:
             from vllm.config import LoRAConfig
 
             extra["lora_config"] = LoRAConfig(max_loras=max_loras, max_lora_rank=8)
+        if remote_kv:
+            from vllm.config import KVTransferConfig
+
+            # tests/remote_kv_connector.py: asynchronous loads the test finishes.
+            extra["kv_transfer_config"] = KVTransferConfig(
+                kv_connector="RemoteKVTestConnector",
+                kv_connector_module_path="remote_kv_connector",
+                kv_role="kv_consumer",
+            )
+            sc.disable_hybrid_kv_cache_manager = True
         vc = VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc, **extra)
         kv = KVCacheConfig(
             num_blocks=num_blocks,
@@ -184,6 +195,8 @@ class Engine:
         self._in_flight: deque[tuple[Any, dict[str, bool]]] = deque()
         self.token_for: Callable[[str, int], int] = lambda rid, n: TOKEN
         self.requests: dict[str, Request] = {}
+        # KV connector: remote loads the next processed step reports finished.
+        self.kv_loaded: set[str] = set()
         self.prefill_stats: dict[str, Any] = {}
         # request id -> token ids delivered to the client, in order
         self.outputs: dict[str, list[int]] = {}
@@ -203,6 +216,7 @@ class Engine:
         ignore_eos: bool = True,
         lora: Any = None,
         json_schema: str | None = None,
+        remote_prefill: bool = False,
     ) -> Request:
         # crc32, not hash(): str hashes change with PYTHONHASHSEED between runs.
         fill = 100 + zlib.crc32(rid.encode()) % 800
@@ -214,6 +228,8 @@ class Engine:
             # The request waits for its grammar (WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR)
             # until the test sets one: compile_grammar().
             extra["structured_outputs"] = StructuredOutputsParams(json=json_schema)
+        if remote_prefill:
+            extra["extra_args"] = {"kv_transfer_params": {"do_remote_prefill": True}}
         sp = SamplingParams(
             max_tokens=max_tokens, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, **extra
         )
@@ -280,6 +296,11 @@ class Engine:
             req_id_to_index={rid: i for i, rid in enumerate(ids)},
             sampled_token_ids=sampled,
         )
+        if self.kv_loaded:
+            from vllm.v1.outputs import KVConnectorOutput
+
+            mro.kv_connector_output = KVConnectorOutput(finished_recving=set(self.kv_loaded))
+            self.kv_loaded.clear()
         outputs = self.scheduler.update_from_output(so, mro)
         for eco in outputs.values():
             for out in eco.outputs:

@@ -448,3 +448,46 @@ def test_wait_for_structured_output_grammar(tracing, async_scheduling: bool) -> 
     from vllm_journey_otel.hooks import TRACKER_ATTR
 
     assert e.scheduler.__dict__[TRACKER_ATTR].blocked == {}
+
+
+# ---------------------------------------------------------------------------
+# Waits inside the queue: remote KV (KV connector, disaggregated prefill)
+# ---------------------------------------------------------------------------
+@SCHEDULERS
+def test_wait_for_remote_kv(tracing, async_scheduling: bool) -> None:
+    """tests/remote_kv_connector.py loads 39 of 40 prompt tokens asynchronously."""
+    e = harness.Engine(async_scheduling=async_scheduling, remote_kv=True)
+    e.add("decode-side", prompt_len=40, max_tokens=4, remote_prefill=True)
+    e.add("gone", prompt_len=40, max_tokens=4, remote_prefill=True)
+    e.add("local", prompt_len=20, max_tokens=4)
+    for _ in range(3):
+        e.step()
+    assert e.requests["decode-side"].num_output_tokens == 0, "precondition: still loading"
+    e.abort("gone")  # vLLM keeps its blocks until its transfer is done too
+    e.kv_loaded.update(("decode-side", "gone"))  # the worker reports the transfers done
+    e.run()
+    journeys = tracing.journeys()
+    for j in journeys.values():
+        check_invariants(j)
+    assert not journeys["local"].kids(S.SPAN_QUEUED)[0].children
+    d = journeys["decode-side"]
+    (queued,) = d.kids(S.SPAN_QUEUED)
+    (wait,) = queued.children
+    assert wait.attrs == {S.WAIT_REASON: S.WAIT_REMOTE_KV}
+    # From the schedule() that started the load (after admission) to the one that
+    # found it done and scheduled the last prompt token.
+    assert queued.start < wait.start < wait.end == queued.end
+    assert d.attrs[S.GEN_AI_CACHE_READ_TOKENS] == 39  # loaded, not computed
+    prefill = d.kids(S.SPAN_SCHEDULED)[0].children[0]
+    assert prefill.attrs[S.CACHED_TOKENS] == 39
+    # Aborted during the transfer: the wait lasts to the end.
+    gone = journeys["gone"]
+    assert gone.attrs[S.FINISH_STATUS] == S.FINISH_ABORTED
+    (gq,) = gone.kids(S.SPAN_QUEUED)
+    (gw,) = gq.children
+    assert gw.attrs == {S.WAIT_REASON: S.WAIT_REMOTE_KV}
+    assert gw.end == gq.end == gone.end
+    assert_no_state_left(e)
+    from vllm_journey_otel.hooks import TRACKER_ATTR
+
+    assert e.scheduler.__dict__[TRACKER_ATTR].blocked == {}
