@@ -491,3 +491,65 @@ def test_wait_for_remote_kv(tracing, async_scheduling: bool) -> None:
     from vllm_journey_otel.hooks import TRACKER_ATTR
 
     assert e.scheduler.__dict__[TRACKER_ATTR].blocked == {}
+
+
+# ---------------------------------------------------------------------------
+# vllm-journey summary: time in each waiting reason, acceptance rate
+# ---------------------------------------------------------------------------
+def test_summary_waits_and_acceptance(tracing, tmp_path) -> None:
+    from vllm.lora.request import LoRARequest
+
+    from vllm_journey_otel.file_exporter import OtlpJsonFileExporter
+    from vllm_journey_otel.summary import SUMMARY_ATTRIBUTES, format_text, summarize
+    from vllm_journey_otel.tracefile import read_spans
+
+    e = _spec_engine(max_loras=1)
+    e.add("a", prompt_len=20, max_tokens=12, lora=LoRARequest("sql", 1, "/x/sql"))
+    e.add("b", prompt_len=20, max_tokens=12, lora=LoRARequest("chat", 2, "/x/chat"))
+    e.add("g", prompt_len=20, max_tokens=3, json_schema='{"type": "object"}')
+    e.step()
+    e.compile_grammar("g")
+    e.run()
+    spans = tracing.spans()
+    path = tmp_path / "j.jsonl"
+    OtlpJsonFileExporter(path).export(spans)
+    d = summarize(read_spans([path], attributes_of=SUMMARY_ATTRIBUTES)).to_dict()
+    waits = [s for s in spans if s.name == S.SPAN_WAIT]
+    by_reason = {
+        r: sorted(
+            (s.end_time - s.start_time) / 1e6 for s in waits if s.attributes[S.WAIT_REASON] == r
+        )
+        for r in (S.WAIT_LORA_SLOT, S.WAIT_GRAMMAR)
+    }
+    assert set(d["waits_ms"]) == {S.WAIT_LORA_SLOT, S.WAIT_GRAMMAR}
+    for reason, values in by_reason.items():
+        assert d["waits_ms"][reason]["count"] == len(values) == 1
+        assert d["waits_ms"][reason]["max"] == round(values[-1], 3)
+    spec = d["speculative_decoding"]
+    logs = [x for log in e.verify_log.values() for x in log]
+    assert spec["requests"] == 3
+    assert spec["drafts_proposed"] == sum(p for p, _ in logs)
+    assert spec["drafts_accepted"] == sum(a for _, a in logs)
+    roots = [s for s in spans if s.name == S.SPAN_REQUEST]
+    rates = sorted(r.attributes[S.SPEC_ACCEPTANCE_RATE] for r in roots)
+    assert spec["acceptance_rate_per_request"]["count"] == len(rates) == 3
+    assert spec["acceptance_rate_per_request"]["max"] == round(rates[-1], 3)
+    text = format_text(d)
+    assert "wait:lora_slot" in text and "wait:structured_output_grammar" in text
+    assert "speculative decoding: 3 requests" in text
+
+
+def test_summary_without_waits_or_spec(tracing, tmp_path) -> None:
+    from vllm_journey_otel.file_exporter import OtlpJsonFileExporter
+    from vllm_journey_otel.summary import format_text, summarize
+    from vllm_journey_otel.tracefile import read_spans
+
+    e = harness.Engine()
+    e.add("r", prompt_len=20, max_tokens=3)
+    e.run()
+    path = tmp_path / "j.jsonl"
+    OtlpJsonFileExporter(path).export(tracing.spans())
+    d = summarize(read_spans([path])).to_dict()
+    assert d["waits_ms"] == {} and d["speculative_decoding"] is None
+    text = format_text(d)
+    assert "wait:" not in text and "speculative" not in text
