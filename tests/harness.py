@@ -217,6 +217,7 @@ class Engine:
         lora: Any = None,
         json_schema: str | None = None,
         remote_prefill: bool = False,
+        resumable: bool = False,
     ) -> Request:
         # crc32, not hash(): str hashes change with PYTHONHASHSEED between runs.
         fill = 100 + zlib.crc32(rid.encode()) % 800
@@ -243,10 +244,40 @@ class Engine:
             trace_headers=trace_headers,
             block_hasher=self._hasher,
             lora_request=lora,
+            resumable=resumable,
         )
         self.requests[rid] = req
         self.scheduler.add_request(req)
         return req
+
+    def send_input(self, rid: str, prompt_len: int = 8, max_tokens: int = 4) -> None:
+        """Streaming input: the next input chunk of session ``rid`` (a Request with
+        the same id, as EngineCore hands it to the scheduler)."""
+        fill = 100 + zlib.crc32(f"{rid}/{prompt_len}".encode()) % 800
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        chunk = Request(
+            request_id=rid,
+            prompt_token_ids=[fill] * prompt_len,
+            sampling_params=sp,
+            pooling_params=None,
+            arrival_time=time.time(),
+            block_hasher=self._hasher,
+            resumable=True,
+        )
+        self.scheduler.add_request(chunk)
+
+    def end_session(self, rid: str) -> None:
+        """Streaming input: the client closed the session (a non-resumable add)."""
+        sp = SamplingParams(max_tokens=1)
+        end = Request(
+            request_id=rid,
+            prompt_token_ids=[TOKEN],
+            sampling_params=sp,
+            pooling_params=None,
+            arrival_time=time.time(),
+            block_hasher=self._hasher,
+        )
+        self.scheduler.add_request(end)
 
     def compile_grammar(self, rid: str, error: bool = False) -> None:
         """The grammar of a structured-output request is ready (or failed), as the

@@ -553,3 +553,89 @@ def test_summary_without_waits_or_spec(tracing, tmp_path) -> None:
     assert d["waits_ms"] == {} and d["speculative_decoding"] is None
     text = format_text(d)
     assert "wait:" not in text and "speculative" not in text
+
+
+# ---------------------------------------------------------------------------
+# Streaming-input sessions (resumable requests)
+# ---------------------------------------------------------------------------
+def _run_until(e, done, limit: int = 50) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(limit):
+        if done():
+            return
+        e.step()
+    raise AssertionError("condition not reached")
+
+
+@SCHEDULERS
+def test_streaming_input_session(tracing, async_scheduling: bool) -> None:
+    """Three input segments in one journey: the client is late with the second
+    (a streaming_input wait), sends the third while the second still runs (no
+    wait), then closes the session while it waits for a fourth."""
+    e = harness.Engine(async_scheduling=async_scheduling)
+    waiting = harness.RequestStatus.WAITING_FOR_STREAMING_REQ
+    s = e.add("s", prompt_len=20, max_tokens=3, resumable=True)
+    _run_until(e, lambda: s.status == waiting)
+    for _ in range(3):
+        e.step()  # the client takes its time
+    e.send_input("s", prompt_len=8, max_tokens=4)
+    _run_until(e, lambda: s.num_output_tokens >= 2)
+    e.send_input("s", prompt_len=5, max_tokens=2)  # queued while the segment runs
+    _run_until(e, lambda: s.status == waiting and s.num_prompt_tokens > 30)
+    e.step()
+    e.end_session("s")
+    e.run()
+    j = tracing.journeys()["s"]
+    check_invariants(j)
+    Q, C = S.SPAN_QUEUED, S.SPAN_SCHEDULED
+    assert [k.name for k in j.children] == [Q, C, Q, C, Q, C, Q]
+    queued = j.kids(Q)
+    cycles = j.kids(C)
+    assert [q.attrs[S.SEGMENT] for q in queued] == [0, 1, 2, 3]
+    assert [c.attrs[S.SEGMENT] for c in cycles] == [0, 1, 2]
+    assert [c.attrs[S.SCHEDULE_KIND] for c in cycles] == [S.SCHEDULE_FIRST] + [
+        S.SCHEDULE_NEXT_INPUT
+    ] * 2
+    # Waits for the client's input: after segment 0 (late), none after segment 1
+    # (the input was there), and at the end (closed while waiting).
+    reasons = [[w.attrs[S.WAIT_REASON] for w in q.children] for q in queued]
+    assert reasons == [[], [S.WAIT_STREAMING_INPUT], [], [S.WAIT_STREAMING_INPUT]]
+    late = queued[1].children[0]
+    assert late.start == queued[1].start and late.end < queued[1].end
+    # Each segment's prefill covers its own new input: 20, then +8, then +5.
+    prefills = [c.children[0] for c in cycles]
+    assert [p.attrs[S.PREFILL_DONE_TOKENS] for p in prefills] == [20, 28, 33]
+    assert [c.children[0].attrs[S.CACHED_TOKENS] > 0 for c in cycles] == [False, True, True]
+    # Nothing double counted: input is what the client sent, output what it got.
+    assert j.attrs[S.NUM_SEGMENTS] == 4
+    assert j.attrs[S.GEN_AI_INPUT_TOKENS] == 20 + 8 + 5
+    assert j.attrs[S.GEN_AI_OUTPUT_TOKENS] == len(e.outputs["s"]) == 3 + 4 + 2
+    decodes = [c.children[1] for c in cycles]
+    assert [d.attrs[S.DECODE_DONE_TOKENS] for d in decodes] == [3, 7, 9]
+    assert j.attrs[S.FINISH_STATUS] == S.FINISH_ABORTED  # how vLLM ends a closed session
+    assert_no_state_left(e)
+
+
+def test_streaming_input_session_ends_with_its_last_segment(tracing) -> None:
+    """The end of the session is queued while the last segment runs: it finishes
+    with that segment's stop, no trailing queued span."""
+    e = harness.Engine()
+    s = e.add("s", prompt_len=20, max_tokens=3, resumable=True)
+    e.step()
+    e.end_session("s")
+    e.run()
+    j = tracing.journeys()["s"]
+    check_invariants(j)
+    assert j.shape() == expected_shape("PD")
+    assert j.attrs[S.FINISH_STATUS] == S.FINISH_LENGTH
+    assert j.attrs[S.NUM_SEGMENTS] == 1
+    assert j.attrs[S.GEN_AI_OUTPUT_TOKENS] == s.num_output_tokens == 3
+    assert j.kids(S.SPAN_QUEUED)[0].attrs[S.SEGMENT] == 0
+
+
+def test_plain_requests_have_no_segments(tracing) -> None:
+    e = harness.Engine()
+    e.add("r", prompt_len=20, max_tokens=3)
+    e.run()
+    j = tracing.journeys()["r"]
+    assert S.NUM_SEGMENTS not in j.attrs
+    assert all(S.SEGMENT not in k.attrs for k in j.children)

@@ -20,8 +20,16 @@ Hook points (vLLM 0.32 and 0.33):
 continuation), ``schedule`` (first schedule or resume, prefill chunks),
 ``_preempt_request`` (preemption, read before vLLM resets ``num_computed_tokens``;
 without it, ``SchedulerOutput.preempted_req_ids``), ``update_from_output``
-(first token of a cycle), ``_free_request`` (every terminal transition), and
-``shutdown`` (flush with a deadline).
+(first token of a cycle; speculative-decoding drafts), ``_free_request`` (every
+terminal transition), ``_handle_stopped_request`` when present (a streaming-input
+session's segment ends), and ``shutdown`` (flush with a deadline).
+
+Beyond the plain path, per step and only where configured: the LoRA adapter-slot
+and remote-KV waits (vLLM's skipped requests, with a LoRA config or a KV
+connector), status waits (grammar, remote KV: the blocked requests), the drafts
+of a speculative step (the requests with drafts) and the opt-in step view (the
+batch, on sampled steps). A preemption's cause is read from ``schedule()``'s
+frame, at the preemption only.
 """
 
 from __future__ import annotations
@@ -65,6 +73,7 @@ from .sinks import PipeSink, Sink, SpanSink
 _now = time.monotonic_ns
 _frame = sys._getframe
 _WAIT_LORA = S.WAIT_REASONS.index(S.WAIT_LORA_SLOT)
+_WAIT_STREAMING = S.WAIT_REASONS.index(S.WAIT_STREAMING_INPUT)
 # vLLM request statuses that mean "waiting for something specific" -> wait reason.
 _STATUS_WAITS = {
     "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR": S.WAIT_REASONS.index(S.WAIT_GRAMMAR),
@@ -110,6 +119,7 @@ class _State:
         self.originals: dict[tuple[type, str], tuple[Callable[..., Any], bool]] = {}
         self.status_map: dict[Any, tuple[int, str]] = {}
         self.status_waits: dict[Any, int] = {}
+        self.streaming_status: Any = None
         self.pipeline: JourneyPipeline | None = None
         self.pipeline_pid = 0
         # Tests inject an exporter; otherwise the OTEL_* variables decide.
@@ -234,6 +244,7 @@ class SchedulerTracker:
         "step",
         "steps_open",
         "steps_ratio",
+        "streaming_status",
         "tail",
         "update_mono_ns",
     )
@@ -262,6 +273,7 @@ class SchedulerTracker:
         # Waits that vLLM expresses as a request status (grammar, remote KV):
         # status -> reason, and the requests in such a wait (checked per step).
         self.status_waits: dict[Any, int] = _STATE.status_waits
+        self.streaming_status = _STATE.streaming_status
         self.blocked: dict[str, tuple[Any, RequestJourney, Any]] = {}
         # A KV connector can put requests into WAITING_FOR_REMOTE_KVS in schedule().
         self.has_connector = getattr(scheduler, "connector", None) is not None
@@ -279,6 +291,16 @@ class SchedulerTracker:
 
     def after_add(self, request: Any, known: bool) -> None:
         if known:
+            # Streaming input: the next input chunk of a session (or its end,
+            # which vLLM turns into an abort, seen by _free_request).
+            session = self.scheduler.requests.get(request.request_id)
+            j = getattr(session, JOURNEY_ATTR, None)
+            if (
+                j is not None
+                and j.wait_reason == _WAIT_STREAMING
+                and session.status != self.streaming_status
+            ):
+                j.wait_ended(_now(), self.step, _WAIT_STREAMING)
             return
         sampled = self.head.sampled(request.trace_headers)
         if not sampled and not self.tail.active:
@@ -297,6 +319,7 @@ class SchedulerTracker:
             request.trace_headers,
             sampled,
             self.spec_decode,
+            bool(getattr(request, "resumable", False)),
         )
         setattr(request, JOURNEY_ATTR, j)
         reason = self.status_waits.get(request.status)
@@ -467,6 +490,23 @@ class SchedulerTracker:
         j.preempted(_now(), self.step, *pre)
         if not j.awaiting_token:
             self.awaiting.pop(request.request_id, None)
+
+    # _handle_stopped_request (streaming input) --------------------------------
+    def after_segment(self, request: Any, output_tokens: int) -> None:
+        """A resumable request stopped and stays: its input segment ended."""
+        j = getattr(request, JOURNEY_ATTR, None)
+        if j is None:
+            return
+        t = self.update_mono_ns if self.in_update else _now()
+        waiting = request.status == self.streaming_status
+        j.segment_ended(
+            t,
+            self.step,
+            output_tokens,
+            request.num_computed_tokens,
+            _WAIT_STREAMING if waiting else -1,
+        )
+        self.awaiting.pop(request.request_id, None)
 
     # update_from_output ----------------------------------------------------
     def before_update(self) -> None:
@@ -646,6 +686,27 @@ def _wrap_schedule(orig: Callable[..., Any]) -> Callable[..., Any]:
     return schedule
 
 
+def _wrap_stopped(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """``_handle_stopped_request`` returns False when a streaming-input session
+    stops a segment and goes on; it runs only for stopped requests."""
+
+    @functools.wraps(orig)
+    def _handle_stopped_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        # The segment's output count, before vLLM may clear it for the next one.
+        out = request.num_output_tokens
+        result = orig(self, request, *args, **kwargs)
+        if result is False:
+            tr = _tracker(self)
+            if tr is not None:
+                try:
+                    tr.after_segment(request, out)
+                except Exception:
+                    _fail("_handle_stopped_request")
+        return result
+
+    return _handle_stopped_request
+
+
 def _wrap_update(orig: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(orig)
     def update_from_output(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
@@ -776,6 +837,8 @@ _WRAPPERS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
     "update_from_output": _wrap_update,
     "_free_request": _wrap_free,
     "shutdown": _wrap_shutdown,
+    # Optional (streaming-input sessions); absent: a session is one long journey.
+    "_handle_stopped_request": _wrap_stopped,
 }
 
 
@@ -842,6 +905,7 @@ def install(
             _STATE.exporters = exporters
             _STATE.batch = batch
             _STATE.status_map = _status_map(request_status)
+            _STATE.streaming_status = getattr(request_status, "WAITING_FOR_STREAMING_REQ", None)
             _STATE.status_waits = {
                 getattr(request_status, name): reason
                 for name, reason in _STATUS_WAITS.items()
@@ -853,6 +917,10 @@ def install(
             if not _STATE.installed:
                 for name, make in _WRAPPERS.items():
                     if name == "_preempt_request" and not support.hook_preempt:
+                        continue
+                    if name == "_handle_stopped_request" and not _signature_has(
+                        scheduler_cls, name, "request"
+                    ):
                         continue
                     _patch(scheduler_cls, name, make)
                 async_llm, output_processor = _frontend_classes()

@@ -153,7 +153,17 @@ class WaitEnded(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=5):
     step: int
 
 
-Event = Scheduled | FirstToken | Preempted | WaitBegan | WaitEnded
+class SegmentEnded(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=6):
+    """Streaming input: the session's current input segment stopped and the
+    request went back to the queue for the next one (the running cycle ends)."""
+
+    at: Snapshot
+    prefill_chunks: int
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+
+
+Event = Scheduled | FirstToken | Preempted | WaitBegan | WaitEnded | SegmentEnded
 
 
 class FinishedJourney(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=10):
@@ -186,6 +196,9 @@ class FinishedJourney(msgspec.Struct, frozen=True, array_like=True, gc=False, ta
     head_sampled: bool = True
     # Ids of the root span, chosen in advance when another span links to it.
     root_ids: RootIds | None = None
+    # A streaming-input session (vLLM's resumable request): token counts are the
+    # session's, over all its input segments.
+    session: bool = False
     # Speculative decoding was configured: the draft totals below are observed.
     spec_decode: bool = False
     drafts_proposed: int = 0
@@ -236,12 +249,15 @@ class RequestJourney:
         "drafts_proposed",
         "events",
         "first_token_mono_ns",
+        "frontier",
         "head_sampled",
+        "input_offset",
         "last_cycle_step",
         "link",
         "lora_name",
         "max_tokens",
         "num_preemptions",
+        "outputs_before",
         "prefill_chunks",
         "prefill_hwm",
         "prefill_target",
@@ -249,9 +265,12 @@ class RequestJourney:
         "prompt_tokens",
         "request_id",
         "root_ids",
+        "segment",
+        "session",
         "spec_decode",
         "state",
         "trace_headers",
+        "vllm_prompt",
         "wait_reason",
     )
 
@@ -268,8 +287,18 @@ class RequestJourney:
         trace_headers: Mapping[str, str] | None = None,
         head_sampled: bool = True,
         spec_decode: bool = False,
+        session: bool = False,
     ) -> None:
         self.request_id = request_id
+        # Streaming-input sessions: the segment number, outputs of the segments
+        # before this one, and the positions vLLM counts as computed that are not
+        # input (kept outputs of earlier segments, which it folds into the prompt).
+        self.session = session
+        self.segment = 0
+        self.outputs_before = 0
+        self.input_offset = 0
+        self.frontier = 0
+        self.vllm_prompt = prompt_tokens
         self.spec_decode = spec_decode
         self.drafts_proposed = 0
         self.drafts_accepted = 0
@@ -308,6 +337,7 @@ class RequestJourney:
         )
 
     def _progress(self, computed_tokens: int) -> None:
+        computed_tokens -= self.input_offset
         done = computed_tokens if computed_tokens < self.prompt_tokens else self.prompt_tokens
         if done > self.prefill_hwm:
             self.prefill_hwm = done
@@ -372,6 +402,13 @@ class RequestJourney:
         """
         if self.state not in (QUEUED, PREEMPTED):
             return False
+        output_tokens += self.outputs_before
+        if self.segment and self.state == QUEUED:
+            # The next input segment of a session: vLLM's prompt is now the
+            # history (frontier) plus the new input.
+            self.input_offset += self.frontier - self.vllm_prompt
+            self.prompt_tokens += num_tokens - self.frontier
+            self.vllm_prompt = num_tokens
         resume = self.state == PREEMPTED
         self.state = RUNNING
         self.wait_reason = -1
@@ -396,6 +433,7 @@ class RequestJourney:
 
     def tokens(self, t_mono_ns: int, step: int, output_tokens: int) -> None:
         """Model output was processed; ``output_tokens`` is the request's total now."""
+        output_tokens += self.outputs_before
         if self.state == RUNNING:
             if not self.decoding and output_tokens > self.cycle_out_start:
                 self.prefill_hwm = self.prompt_tokens
@@ -431,6 +469,7 @@ class RequestJourney:
         """The running cycle ends by preemption (``computed_tokens`` read before vLLM resets it)."""
         if self.state != RUNNING:
             return
+        output_tokens += self.outputs_before
         self._progress(computed_tokens)
         self.num_preemptions += 1
         self.events.append(
@@ -449,6 +488,40 @@ class RequestJourney:
         self.state = PREEMPTED
         self.decoding = False
 
+    def segment_ended(
+        self,
+        t_mono_ns: int,
+        step: int,
+        output_tokens: int,
+        frontier: int,
+        wait_reason: int,
+    ) -> None:
+        """Streaming input: the segment stopped and the session went back to the
+        queue. ``output_tokens`` is the segment's (read before vLLM clears it),
+        ``frontier`` vLLM's computed tokens kept for the next segment, and
+        ``wait_reason`` >= 0 when it now waits for the client's next input."""
+        if self.state != RUNNING:
+            return
+        # The stop may come with the cycle's first token, before update's end.
+        self.tokens(t_mono_ns, step, output_tokens)
+        output_tokens += self.outputs_before
+        self.events.append(
+            SegmentEnded(
+                self._snap(t_mono_ns, step, output_tokens),
+                0 if self.decoding else self.prefill_chunks,
+                self.drafts_proposed,
+                self.drafts_accepted,
+            )
+        )
+        self.outputs_before = output_tokens
+        self.frontier = frontier
+        self.segment += 1
+        self.state = QUEUED
+        self.decoding = False
+        self.wait_reason = -1
+        if wait_reason >= 0:
+            self.wait_began(t_mono_ns, step, wait_reason)
+
     def finish(
         self,
         t_mono_ns: int,
@@ -461,6 +534,11 @@ class RequestJourney:
         """The request ended. Returns the immutable record, or None if it already ended."""
         if self.state == FINISHED:
             return None
+        if self.segment and self.state == QUEUED:
+            # A session ended between segments: vLLM's count is still the last
+            # segment's (counted when it ended) or 0 (next input not yet run).
+            output_tokens = 0
+        output_tokens += self.outputs_before
         end_chunks = self.prefill_chunks if self.state == RUNNING and not self.decoding else 0
         journey = FinishedJourney(
             request_id=self.request_id,
@@ -481,6 +559,7 @@ class RequestJourney:
             trace_headers=dict(self.trace_headers) if self.trace_headers else None,
             head_sampled=self.head_sampled,
             root_ids=self.root_ids,
+            session=self.session,
             spec_decode=self.spec_decode,
             drafts_proposed=self.drafts_proposed,
             drafts_accepted=self.drafts_accepted,

@@ -66,6 +66,10 @@ NUM_RUNNING: Final = "vllm.journey.num_running_reqs"
 NUM_WAITING: Final = "vllm.journey.num_waiting_reqs"
 PREEMPTED_BY: Final = "vllm.journey.preempted_by"
 
+# Streaming-input sessions: vllm.queued and vllm.scheduled (segment), root (count)
+SEGMENT: Final = "vllm.journey.segment"
+NUM_SEGMENTS: Final = "vllm.journey.num_segments"
+
 # vllm.wait only
 WAIT_REASON: Final = "vllm.journey.wait_reason"
 
@@ -118,6 +122,8 @@ DEFAULT_SERVICE_NAME: Final = "vllm"
 # ---------------------------------------------------------------------------
 SCHEDULE_FIRST: Final = "FIRST"
 SCHEDULE_RESUME: Final = "RESUME"
+# Streaming input: the first cycle of the session's next input segment.
+SCHEDULE_NEXT_INPUT: Final = "NEXT_INPUT"
 
 PHASE_PREFILL: Final = "PREFILL"
 PHASE_DECODE: Final = "DECODE"
@@ -126,7 +132,8 @@ PHASE_DECODE: Final = "DECODE"
 WAIT_LORA_SLOT: Final = "lora_slot"
 WAIT_GRAMMAR: Final = "structured_output_grammar"
 WAIT_REMOTE_KV: Final = "remote_kv"
-WAIT_REASONS: Final = (WAIT_LORA_SLOT, WAIT_GRAMMAR, WAIT_REMOTE_KV)
+WAIT_STREAMING_INPUT: Final = "streaming_input"
+WAIT_REASONS: Final = (WAIT_LORA_SLOT, WAIT_GRAMMAR, WAIT_REMOTE_KV, WAIT_STREAMING_INPUT)
 
 SAMPLED_HEAD: Final = "head"
 SAMPLED_TAIL: Final = "tail"
@@ -205,7 +212,7 @@ ATTRIBUTES: Final[tuple[AttributeSpec, ...]] = (
     AttributeSpec(
         SCHEDULER_STEP, (*_BELOW_ROOT, SPAN_STEP), "int", "plugin's scheduler step counter"
     ),
-    AttributeSpec(SCHEDULE_KIND, (SPAN_SCHEDULED,), "string", "FIRST|RESUME"),
+    AttributeSpec(SCHEDULE_KIND, (SPAN_SCHEDULED,), "string", "FIRST|RESUME|NEXT_INPUT"),
     AttributeSpec(CYCLE, (SPAN_SCHEDULED,), "int", "0, 1, ... per running cycle"),
     AttributeSpec(PREFILL_CHUNKS, (SPAN_PREFILL,), "int", "scheduler steps carrying prefill"),
     AttributeSpec(CACHED_TOKENS, (SPAN_PREFILL,), "int", "tokens already computed at cycle start"),
@@ -222,6 +229,10 @@ ATTRIBUTES: Final[tuple[AttributeSpec, ...]] = (
         PREEMPTED_BY, (SPAN_PREEMPTED,), "string", "request whose KV allocation forced it"
     ),
     AttributeSpec(WAIT_REASON, (SPAN_WAIT,), "string", "what the request waited for"),
+    AttributeSpec(
+        SEGMENT, (SPAN_QUEUED, SPAN_SCHEDULED), "int", "streaming input: the input segment"
+    ),
+    AttributeSpec(NUM_SEGMENTS, (SPAN_REQUEST,), "int", "streaming input: input segments"),
     AttributeSpec(STEP_BATCH_SIZE, (SPAN_STEP,), "int", "requests scheduled in the step"),
     AttributeSpec(STEP_PREFILL_TOKENS, (SPAN_STEP,), "int", "scheduled prompt/recompute tokens"),
     AttributeSpec(STEP_DECODE_TOKENS, (SPAN_STEP,), "int", "scheduled decode tokens"),

@@ -36,6 +36,7 @@ from .journey import (
     Preempted,
     RootIds,
     Scheduled,
+    SegmentEnded,
     Snapshot,
     StepRecord,
     WaitBegan,
@@ -147,6 +148,10 @@ def plan_spans(j: FinishedJourney, offset_ns: int, uncertainty_ns: int = 0) -> l
     wait_idx: int | None = None
     # Draft totals when the open decode span started.
     decode_drafts = (0, 0)
+    # Streaming-input sessions: the current input segment.
+    segment = 0
+    if j.session:
+        plan[1].attributes[S.SEGMENT] = 0
 
     def end_wait(u: int) -> None:
         nonlocal wait_idx
@@ -183,6 +188,14 @@ def plan_spans(j: FinishedJourney, offset_ns: int, uncertainty_ns: int = 0) -> l
         if isinstance(ev, Scheduled):
             end_wait(t)
             queue_idx = None
+            # A resume; the first cycle; or the first cycle of a session's next input.
+            kind = (
+                S.SCHEDULE_RESUME
+                if ev.resume
+                else S.SCHEDULE_NEXT_INPUT
+                if cycle >= 0
+                else S.SCHEDULE_FIRST
+            )
             close(preempt_idx, ev.at)
             preempt_idx = None
             cycle += 1
@@ -192,13 +205,12 @@ def plan_spans(j: FinishedJourney, offset_ns: int, uncertainty_ns: int = 0) -> l
                     t,
                     t,
                     ROOT,
-                    {
-                        S.SCHEDULE_KIND: S.SCHEDULE_RESUME if ev.resume else S.SCHEDULE_FIRST,
-                        S.CYCLE: cycle,
-                    },
+                    {S.SCHEDULE_KIND: kind, S.CYCLE: cycle},
                 )
             )
             cycle_idx = len(plan) - 1
+            if j.session:
+                plan[cycle_idx].attributes[S.SEGMENT] = segment
             if j.lora_name:
                 plan[cycle_idx].attributes[S.LORA_NAME] = j.lora_name
             plan.append(
@@ -212,6 +224,19 @@ def plan_spans(j: FinishedJourney, offset_ns: int, uncertainty_ns: int = 0) -> l
             plan.append(PlannedSpan(S.SPAN_DECODE, t, t, cycle_idx))
             phase_idx = len(plan) - 1
             decode_drafts = (ev.drafts_proposed, ev.drafts_accepted)
+        elif isinstance(ev, SegmentEnded):
+            if cycle_idx is None:
+                continue
+            if phase_idx is not None and plan[phase_idx].name == S.SPAN_PREFILL:
+                close(phase_idx, ev.at, {S.PREFILL_CHUNKS: ev.prefill_chunks})
+            else:
+                close_decode(ev.at, ev.drafts_proposed, ev.drafts_accepted)
+            close(cycle_idx, ev.at)
+            cycle_idx = phase_idx = None
+            # Back in the queue for the next input segment.
+            segment += 1
+            plan.append(PlannedSpan(S.SPAN_QUEUED, t, t, ROOT, {S.SEGMENT: segment}))
+            preempt_idx = queue_idx = len(plan) - 1
         elif isinstance(ev, Preempted):
             if cycle_idx is None:
                 continue
@@ -301,6 +326,8 @@ def _root_attributes(
         attrs[S.LORA_NAME] = j.lora_name
     if j.spec_decode:
         _drafts(attrs, j.drafts_proposed, j.drafts_accepted)
+    if j.session:
+        attrs[S.NUM_SEGMENTS] = 1 + sum(isinstance(e, SegmentEnded) for e in j.events)
     sched_mono = first_sched.at.t_mono_ns if first_sched is not None else None
     if first_sched is not None:
         attrs[S.GEN_AI_CACHE_READ_TOKENS] = first_sched.cached_tokens
