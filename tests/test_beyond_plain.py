@@ -639,3 +639,126 @@ def test_plain_requests_have_no_segments(tracing) -> None:
     j = tracing.journeys()["r"]
     assert S.NUM_SEGMENTS not in j.attrs
     assert all(S.SEGMENT not in k.attrs for k in j.children)
+
+
+# ---------------------------------------------------------------------------
+# Every feature at once: vLLM's outputs unchanged, and a failing new hook
+# switches tracing off without touching them
+# ---------------------------------------------------------------------------
+def _everything_engine():  # type: ignore[no-untyped-def]
+    return harness.Engine(
+        policy="priority",
+        num_spec_tokens=2,
+        max_loras=1,
+        remote_kv=True,
+        num_blocks=9,
+        max_num_batched_tokens=64,
+        max_model_len=512,
+        max_num_seqs=8,
+    )
+
+
+def _everything(e):  # type: ignore[no-untyped-def]
+    """Priority preemption, drafts, LoRA slots, a grammar, remote KV, a session."""
+    from vllm.lora.request import LoRARequest
+
+    e.accept_for = lambda rid, i, n: i % (n + 1)
+    e.add("low", prompt_len=14, max_tokens=20, priority=5)
+    e.add("lora1", prompt_len=10, max_tokens=6, lora=LoRARequest("a", 1, "/x/a"))
+    e.add("lora2", prompt_len=10, max_tokens=6, lora=LoRARequest("b", 2, "/x/b"))
+    e.add("g", prompt_len=10, max_tokens=4, json_schema='{"type": "object"}')
+    e.add("kv", prompt_len=20, max_tokens=4, remote_prefill=True)
+    e.add("sess", prompt_len=10, max_tokens=3, resumable=True)
+    e.step()
+    e.step()
+    e.add("high", prompt_len=32, max_tokens=6, priority=0)
+    for _ in range(3):
+        e.step()
+    e.compile_grammar("g")
+    e.kv_loaded.add("kv")
+    for _ in range(6):
+        e.step()
+    e.send_input("sess", 6, 3)
+    for _ in range(6):
+        e.step()
+    e.end_session("sess")
+    steps = e.run()
+    return (
+        e.outputs,
+        {rid: r.status.name for rid, r in e.requests.items()},
+        {rid: r.num_preemptions for rid, r in e.requests.items()},
+        steps,
+        e.verify_log,
+    )
+
+
+def _install(exporter, steps: bool = True) -> None:  # type: ignore[no-untyped-def]
+    from vllm_journey_otel import hooks
+    from vllm_journey_otel.config import Config
+
+    assert hooks.install(Config(enabled=True, steps=steps), exporters=[exporter], batch=False)
+
+
+def test_everything_on_leaves_outputs_unchanged() -> None:
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    import trees
+    from vllm_journey_otel import hooks
+
+    reference = _everything(_everything_engine())
+    assert reference[2]["low"] >= 1, "precondition: a priority preemption"
+    exporter = InMemorySpanExporter()
+    _install(exporter)
+    try:
+        traced = _everything(_everything_engine())
+        assert hooks.flush(10)
+    finally:
+        hooks.uninstall()
+    assert traced == reference
+    spans = exporter.get_finished_spans()
+    journeys = trees.journeys(spans)
+    assert set(journeys) == {"low", "lora1", "lora2", "g", "kv", "sess", "high"}
+    for j in journeys.values():
+        check_invariants(j)
+    waits = {w.attributes[S.WAIT_REASON] for w in spans if w.name == S.SPAN_WAIT}
+    assert waits == set(S.WAIT_REASONS)
+    assert any(s.name == S.SPAN_STEP for s in spans)
+    assert journeys["low"].kids(S.SPAN_PREEMPTED)[0].attrs[S.PREEMPTED_BY] == "high"
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        "spec_verified",
+        "_step_begin",
+        "_deferred_waits",
+        "_blocked_waits",
+        "after_segment",
+        "before_preempt",
+    ],
+)
+def test_failing_new_hook_leaves_outputs_unchanged(method: str, monkeypatch, caplog) -> None:
+    import logging
+
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from vllm_journey_otel import hooks
+
+    reference = _everything(_everything_engine())
+    calls = {"n": 0}
+
+    def broken(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        raise RuntimeError("bookkeeping bug")
+
+    monkeypatch.setattr(hooks.SchedulerTracker, method, broken)
+    _install(InMemorySpanExporter())
+    try:
+        with caplog.at_level(logging.WARNING, logger="vllm.journey_otel"):
+            traced = _everything(_everything_engine())
+        assert calls["n"] == 1, "the hook ran once, then tracing switched itself off"
+        assert not hooks.enabled()
+        assert len([r for r in caplog.records if "internal error" in r.getMessage()]) == 1
+    finally:
+        hooks.uninstall()
+    assert traced == reference
