@@ -135,7 +135,8 @@ class Engine:
             # The n-gram proposer: no draft model to load. Drafts are fabricated
             # below (propose), as the model runner would hand them over.
             extra["speculative_config"] = SpeculativeConfig(
-                method="ngram",
+                # vLLM allows async scheduling with the GPU n-gram proposer only.
+                method="ngram_gpu" if async_scheduling else "ngram",
                 num_speculative_tokens=num_spec_tokens,
                 prompt_lookup_max=4,
                 prompt_lookup_min=2,
@@ -191,6 +192,7 @@ class Engine:
         # request id -> [(drafts proposed, drafts accepted)] per verify step, as
         # the fabricated model decided them.
         self.verify_log: dict[str, list[tuple[int, int]]] = {}
+        self.stale_verify: dict[str, list[tuple[int, int]]] = {}
         # Outputs scheduled but not yet processed (the batch queue).
         self._in_flight: deque[tuple[Any, dict[str, bool]]] = deque()
         self.token_for: Callable[[str, int], int] = lambda rid, n: TOKEN
@@ -315,12 +317,18 @@ class Engine:
             n = req.num_output_tokens if req is not None else 0
             tokens = [self.token_for(rid, n)] if sample[rid] else []
             drafts = so.scheduled_spec_decode_tokens.get(rid)
-            if drafts and tokens:
+            # (A request finished meanwhile, async: vLLM discards this output.)
+            if drafts and tokens and req is not None and not req.is_finished():
                 log = self.verify_log.setdefault(rid, [])
                 accepted = min(len(drafts), self.accept_for(rid, len(log), len(drafts)))
                 log.append((len(drafts), accepted))
-                # The accepted drafts, then the token sampled after them.
-                tokens = list(drafts[:accepted]) + tokens
+                if req.num_stale_output_tokens > 0:
+                    # Async: the request was preempted while this step was in
+                    # flight; vLLM still delivers (and counts) its output.
+                    self.stale_verify.setdefault(rid, []).append((len(drafts), accepted))
+                # The accepted drafts, then the token sampled after them (with
+                # async scheduling the scheduled drafts are placeholders, -1).
+                tokens = [TOKEN] * accepted + tokens
             sampled.append(tokens)
         mro = ModelRunnerOutput(
             req_ids=ids,
@@ -340,7 +348,9 @@ class Engine:
                 if getattr(out, "prefill_stats", None) is not None:
                     self.prefill_stats[out.request_id] = out.prefill_stats
                 self.outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-        if self.num_spec_tokens:
+        if self.num_spec_tokens and not self.async_scheduling:
+            # Async scheduling drafts in the worker: the AsyncScheduler schedules
+            # placeholders itself (EngineCore.post_step skips this too).
             self.propose()
         return outputs
 
