@@ -110,6 +110,7 @@ class Engine:
         num_spec_tokens: int = 0,
         max_loras: int = 0,
         remote_kv: bool = False,
+        spec_metrics: str = "none",
     ) -> None:
         global _HASH_READY
         if not _HASH_READY:
@@ -140,6 +141,13 @@ class Engine:
                 num_speculative_tokens=num_spec_tokens,
                 prompt_lookup_max=4,
                 prompt_lookup_min=2,
+            )
+        if spec_metrics != "none":
+            from vllm.config import ObservabilityConfig
+
+            # vLLM's own per-request draft counts (--per-request-spec-decode-metrics).
+            extra["observability_config"] = ObservabilityConfig(
+                per_request_spec_decode_metrics=spec_metrics
             )
         if max_loras:
             from vllm.config import LoRAConfig

@@ -159,6 +159,8 @@ def test_fcfs_preemption_cause(
 # Speculative decoding
 # ---------------------------------------------------------------------------
 def _spec_engine(**kw):  # type: ignore[no-untyped-def]
+    """``spec_metrics="summary"``: vLLM counts drafts per request itself, and the
+    plugin reads those counts at transitions instead of counting every step."""
     # The n-gram proposer needs no draft model (with async scheduling, vLLM's
     # GPU n-gram proposer: the AsyncScheduler schedules draft placeholders).
     e = harness.Engine(num_spec_tokens=3, **kw)
@@ -168,8 +170,11 @@ def _spec_engine(**kw):  # type: ignore[no-untyped-def]
 
 
 @SCHEDULERS
-def test_spec_decode_drafts_on_decode_and_root(tracing, async_scheduling: bool) -> None:
-    e = _spec_engine(async_scheduling=async_scheduling)
+@pytest.mark.parametrize("vllm_metrics", ["none", "summary"])
+def test_spec_decode_drafts_on_decode_and_root(
+    tracing, async_scheduling: bool, vllm_metrics: str
+) -> None:
+    e = _spec_engine(async_scheduling=async_scheduling, spec_metrics=vllm_metrics)
     e.add("s", prompt_len=20, max_tokens=30)
     e.run()
     log = e.verify_log["s"]
@@ -194,8 +199,11 @@ def test_spec_decode_drafts_on_decode_and_root(tracing, async_scheduling: bool) 
 
 
 @SCHEDULERS
-def test_spec_decode_nothing_accepted_and_nothing_proposed(tracing, async_scheduling: bool) -> None:
-    e = _spec_engine(async_scheduling=async_scheduling)
+@pytest.mark.parametrize("vllm_metrics", ["none", "summary"])
+def test_spec_decode_nothing_accepted_and_nothing_proposed(
+    tracing, async_scheduling: bool, vllm_metrics: str
+) -> None:
+    e = _spec_engine(async_scheduling=async_scheduling, spec_metrics=vllm_metrics)
     e.accept_for = lambda rid, i, n: 0
     e.add("rejects", prompt_len=20, max_tokens=5)
     e.add("one", prompt_len=20, max_tokens=1)  # finishes with its first token: no drafts
@@ -217,10 +225,12 @@ def test_spec_decode_nothing_accepted_and_nothing_proposed(tracing, async_schedu
 
 
 @SCHEDULERS
-def test_spec_decode_across_preemptions(tracing, async_scheduling: bool) -> None:
+@pytest.mark.parametrize("vllm_metrics", ["none", "summary"])
+def test_spec_decode_across_preemptions(tracing, async_scheduling: bool, vllm_metrics: str) -> None:
     """Each cycle's decode span counts its own verify steps; they sum to the root's."""
     e = _spec_engine(
         async_scheduling=async_scheduling,
+        spec_metrics=vllm_metrics,
         num_blocks=8,
         max_num_batched_tokens=64,
         max_model_len=512,
@@ -780,3 +790,29 @@ def test_failing_new_hook_leaves_outputs_unchanged(method: str, monkeypatch, cap
     finally:
         hooks.uninstall()
     assert traced == reference
+
+
+@pytest.mark.parametrize(("vllm_metrics", "per_step"), [("none", True), ("summary", False)])
+def test_spec_decode_per_step_work_only_without_vllm_metrics(
+    tracing, monkeypatch, vllm_metrics: str, per_step: bool
+) -> None:
+    """With vLLM's per-request spec-decode metrics on, the plugin does nothing per
+    step and reads vLLM's counts at transitions; both give the same attributes."""
+    from vllm_journey_otel import hooks
+
+    calls = {"n": 0}
+    orig = hooks.SchedulerTracker.spec_verified
+
+    def spy(self, *args):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        return orig(self, *args)
+
+    monkeypatch.setattr(hooks.SchedulerTracker, "spec_verified", spy)
+    e = _spec_engine(spec_metrics=vllm_metrics)
+    e.add("s", prompt_len=20, max_tokens=30)
+    e.run()
+    assert (calls["n"] > 0) is per_step
+    j = tracing.journeys()["s"]
+    log = e.verify_log["s"]
+    assert j.attrs[S.SPEC_DRAFTS_PROPOSED] == sum(p for p, _ in log)
+    assert j.attrs[S.SPEC_DRAFTS_ACCEPTED] == sum(a for _, a in log)

@@ -239,6 +239,7 @@ class SchedulerTracker:
         "pipeline",
         "scheduler",
         "spec_decode",
+        "spec_from_vllm",
         "status_map",
         "status_waits",
         "step",
@@ -266,6 +267,12 @@ class SchedulerTracker:
         self.last_update_ids: Any = ()
         vc = scheduler.vllm_config
         self.spec_decode = getattr(vc, "speculative_config", None) is not None
+        # vLLM keeps per-request draft counts itself when asked to
+        # (--per-request-spec-decode-metrics): then they are read at transitions
+        # only, and nothing is done per step.
+        self.spec_from_vllm = self.spec_decode and (
+            getattr(scheduler, "spec_decode_metrics_level", "none") != "none"
+        )
         # Tokens a step samples besides accepted drafts (0 for pooling models).
         self.num_sampled = int(getattr(scheduler, "num_sampled_tokens_per_step", 1))
         lora = getattr(vc, "lora_config", None)
@@ -351,6 +358,8 @@ class SchedulerTracker:
             j = getattr(req, JOURNEY_ATTR, None)
             if j is None:
                 continue
+            if self.spec_from_vllm:
+                _vllm_drafts(req, j)
             after = req.num_computed_tokens
             if j.scheduled(
                 t, step, after - nst.get(rid, 0), after, req.num_tokens, req.num_output_tokens
@@ -487,6 +496,8 @@ class SchedulerTracker:
         j = getattr(request, JOURNEY_ATTR, None)
         if pre is None or j is None:
             return
+        if self.spec_from_vllm:
+            _vllm_drafts(request, j)
         j.preempted(_now(), self.step, *pre)
         if not j.awaiting_token:
             self.awaiting.pop(request.request_id, None)
@@ -498,6 +509,8 @@ class SchedulerTracker:
         if j is None:
             return
         t = self.update_mono_ns if self.in_update else _now()
+        if self.spec_from_vllm:
+            _vllm_drafts(request, j)
         waiting = request.status == self.streaming_status
         j.segment_ended(
             t,
@@ -520,25 +533,28 @@ class SchedulerTracker:
         counts its last step; the same arithmetic as vLLM's spec-decode stats.
         O(requests with drafts), and only with speculative decoding.
         """
-        requests = self.scheduler.requests
-        index = mro.req_id_to_index
+        get = self.scheduler.requests.get
+        index = mro.req_id_to_index.get
         sampled = mro.sampled_token_ids
+        if not sampled and self.num_sampled:
+            return  # nothing generated: vLLM counts no verify step
         invalid = getattr(scheduler_output, "num_invalid_spec_tokens", None)
         k = self.num_sampled
         for rid, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
-            req = requests.get(rid)
+            req = get(rid)
             j = getattr(req, JOURNEY_ATTR, None)
             if j is None or not drafts:
                 continue
-            if getattr(req, "num_stale_output_tokens", 0) > 0 and req.drop_stale_output:
+            if req.num_stale_output_tokens > 0 and req.drop_stale_output:
                 continue  # vLLM discards this output
-            i = index.get(rid)
-            generated = sampled[i] if sampled and i is not None else ()
-            if not generated and k:
+            i = index(rid)
+            n = len(sampled[i]) if sampled and i is not None else 0
+            if not n and k:
                 continue
-            proposed = len(drafts) - (invalid.get(rid, 0) if invalid else 0)
-            accepted = len(generated) - k
-            j.verified(proposed, accepted if accepted > 0 else 0)
+            proposed = len(drafts)
+            if invalid:
+                proposed -= invalid.get(rid, 0)
+            j.verified(proposed, n - k if n > k else 0)
 
     def after_update(self, scheduler_output: Any) -> None:
         t = self.update_mono_ns
@@ -593,6 +609,8 @@ class SchedulerTracker:
                 else None
             )
         j.tokens(t, self.step, out_tokens)
+        if self.spec_from_vllm:
+            _vllm_drafts(request, j)
         status, reason = self.status_map.get(request.status, (STATUS_ABORTED, "abort"))
         finished = j.finish(t, self.step, status, reason, out_tokens, last)
         if finished is None:
@@ -607,6 +625,13 @@ class SchedulerTracker:
         self.pipeline.submit(finished)
         if not self.in_update:
             self.pipeline.publish_due(t, force=True)  # an abort between steps
+
+
+def _vllm_drafts(request: Any, j: RequestJourney) -> None:
+    """The request's draft totals from vLLM's own per-request spec-decode metrics."""
+    m = request.spec_decode_metrics
+    if m is not None:
+        j.drafts_so_far(m.num_draft_tokens, sum(i * c for i, c in enumerate(m.histogram)))
 
 
 # ---------------------------------------------------------------------------
@@ -714,7 +739,9 @@ def _wrap_update(orig: Callable[..., Any]) -> Callable[..., Any]:
         if tr is None:
             return orig(self, scheduler_output, *args, **kwargs)
         tr.before_update()
-        if getattr(scheduler_output, "scheduled_spec_decode_tokens", None):
+        if not tr.spec_from_vllm and getattr(
+            scheduler_output, "scheduled_spec_decode_tokens", None
+        ):
             try:
                 mro = args[0] if args else kwargs["model_runner_output"]
                 tr.spec_verified(scheduler_output, mro)

@@ -377,6 +377,13 @@ class RequestJourney:
             if self.state in (QUEUED, PREEMPTED):
                 self.events.append(WaitEnded(t_mono_ns, step))
 
+    def drafts_so_far(self, proposed: int, accepted: int) -> None:
+        """Speculative decoding: the request's totals, as vLLM's own per-request
+        metrics counted them (read at a transition instead of every step)."""
+        if self.state != FINISHED:
+            self.drafts_proposed = proposed
+            self.drafts_accepted = accepted
+
     def verified(self, proposed: int, accepted: int) -> None:
         """Speculative decoding: one verify step's drafts (proposed, accepted)."""
         if self.state != FINISHED:
