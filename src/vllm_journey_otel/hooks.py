@@ -402,7 +402,12 @@ class SchedulerTracker:
             j = getattr(req, JOURNEY_ATTR, None)
             if j is not None and j.head_sampled:
                 append(j.link or j.link_target())
-        self.steps_open[id(out)] = (
+        open_steps = self.steps_open
+        if len(open_steps) >= 64:
+            # Outputs never processed (an engine that dropped a batch): forget
+            # them rather than grow. With async scheduling at most a few are open.
+            open_steps.clear()
+        open_steps[id(out)] = (
             step,
             t,
             _now(),
