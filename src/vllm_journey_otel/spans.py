@@ -327,7 +327,9 @@ def _root_attributes(
     if j.spec_decode:
         _drafts(attrs, j.drafts_proposed, j.drafts_accepted)
     if j.session:
-        attrs[S.NUM_SEGMENTS] = 1 + sum(isinstance(e, SegmentEnded) for e in j.events)
+        # Segments that ran: the first, and each next input that was scheduled.
+        ran = sum(isinstance(e, Scheduled) and not e.resume for e in j.events)
+        attrs[S.NUM_SEGMENTS] = max(1, ran)
     sched_mono = first_sched.at.t_mono_ns if first_sched is not None else None
     if first_sched is not None:
         attrs[S.GEN_AI_CACHE_READ_TOKENS] = first_sched.cached_tokens
