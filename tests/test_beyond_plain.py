@@ -816,3 +816,25 @@ def test_spec_decode_per_step_work_only_without_vllm_metrics(
     log = e.verify_log["s"]
     assert j.attrs[S.SPEC_DRAFTS_PROPOSED] == sum(p for p, _ in log)
     assert j.attrs[S.SPEC_DRAFTS_ACCEPTED] == sum(a for _, a in log)
+
+
+def test_timeline_draws_waits(tracing, tmp_path) -> None:
+    from vllm.lora.request import LoRARequest
+
+    from vllm_journey_otel.file_exporter import OtlpJsonFileExporter
+    from vllm_journey_otel.timeline import collect, render
+    from vllm_journey_otel.tracefile import read_spans
+
+    e = harness.Engine(max_loras=1)
+    e.add("a", prompt_len=20, max_tokens=6, lora=LoRARequest("sql", 1, "/x/sql"))
+    e.add("b", prompt_len=20, max_tokens=4, lora=LoRARequest("chat", 2, "/x/chat"))
+    e.run()
+    path = tmp_path / "j.jsonl"
+    OtlpJsonFileExporter(path).export(tracing.spans())
+    rows, total = collect(lambda attrs: read_spans([path], attributes_of=attrs))
+    assert total == 2
+    by_id = {r.attrs[S.REQUEST_ID]: r for r in rows}
+    waits = [seg for seg in by_id["b"].segments if seg[0] == "wait"]
+    assert len(waits) == 1 and waits[0][3] == {S.WAIT_REASON: S.WAIT_LORA_SLOT}
+    assert not [seg for seg in by_id["a"].segments if seg[0] == "wait"]
+    assert '"wait"' in render(rows, total)
