@@ -7,7 +7,11 @@ own cost is measured on an empty function and subtracted. The wrappers' dispatch
 (one extra Python frame per hooked call) is measured the same way: a wrapped
 no-op against the bare no-op.
 
-    .venv/bin/python benchmarks/hook_cost.py [RUNNING] [STEPS]
+    .venv/bin/python benchmarks/hook_cost.py [RUNNING] [STEPS] [step-view]
+
+``step-view`` turns the engine step view on (every step recorded): its cost is
+in ``after_schedule`` (``_step_begin``, the walk over the batch) and
+``after_update`` (the step record handed to the exporter).
 """
 
 from __future__ import annotations
@@ -95,7 +99,8 @@ def wrapper_dispatch_ns(n: int = 200_000) -> float:
 def main() -> None:
     running = int(sys.argv[1]) if len(sys.argv) > 1 else 256
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 600
-    hooks.install(Config(enabled=True))
+    step_view = len(sys.argv) > 3 and sys.argv[3] == "step-view"
+    hooks.install(Config(enabled=True, steps=step_view))
     for name in METHODS:
         setattr(hooks.SchedulerTracker, name, timed(name, getattr(hooks.SchedulerTracker, name)))
     d = sb.Driver("on", running, 3)
@@ -116,12 +121,14 @@ def main() -> None:
     step_total_ns = sum(d.times) * 1e9
     result = {
         "running": running,
+        "step_view": step_view,
         "steps": d.steps,
         "journeys_finished": d.finished,
         "preemptions": d.preemptions,
         "bookkeeping_us_per_journey": round(ours_ns / d.finished / 1e3, 2),
         "wrapper_dispatch_us_per_journey": round(dispatch * hooked / d.finished / 1e3, 2),
         "engine_thread_us_per_journey": round((ours_ns + dispatch * hooked) / d.finished / 1e3, 2),
+        "engine_thread_us_per_step": round((ours_ns + dispatch * hooked) / d.steps / 1e3, 2),
         "share_of_scheduler_time": round((ours_ns + dispatch * hooked) / step_total_ns, 4),
         "per_method_us_per_call": {
             m: round((spent[m] / calls[m] - overhead) / 1e3, 3) for m in METHODS if calls[m]

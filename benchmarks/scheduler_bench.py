@@ -7,7 +7,9 @@ process, interleaved block by block so machine noise hits all alike:
 * ``on``: every journey recorded and exported (to an OTLP receiver in a child
   process... here: the detached exporter process with OTEL_TRACES_EXPORTER=none,
   so the engine side does all its real work: record, encode, pipe);
-* ``ratio0``: head sampling ratio 0 (only the tail rule's journeys exported).
+* ``ratio0``: head sampling ratio 0 (only the tail rule's journeys exported);
+* ``steps`` (with ``--step-view``): as ``on``, plus the engine step view
+  (``VLLM_JOURNEY_OTEL_STEPS=1``, every step recorded with links to its batch).
 
 Only the scheduler's own calls are timed (``schedule`` + ``update_from_output``);
 building the fabricated model output is not. Churn: requests finish every step
@@ -15,6 +17,7 @@ building the fabricated model output is not. Churn: requests finish every step
 sized for about 90 % of the peak so some requests are preempted.
 
     .venv/bin/python benchmarks/scheduler_bench.py [--sizes 64,256,1024] [--blocks 12]
+        [--step-view]
 """
 
 from __future__ import annotations
@@ -95,7 +98,9 @@ class Driver:
         self.steps += 1
 
 
-def run(n: int, blocks: int, steps_per_block: int, warmup: int) -> dict[str, object]:
+def run(
+    n: int, blocks: int, steps_per_block: int, warmup: int, step_view: bool = False
+) -> dict[str, object]:
     on_cfg = Config(enabled=True)
     # Build each engine in its mode (the tracker is attached at construction and
     # keeps the sampler it was built with).
@@ -106,6 +111,9 @@ def run(n: int, blocks: int, steps_per_block: int, warmup: int) -> dict[str, obj
     hooks.install(on_cfg, head=HeadSampler())
     on = Driver("on", n, 1)
     drivers = [off, on, ratio0]
+    if step_view:
+        hooks.install(Config(enabled=True, steps=True), head=HeadSampler())
+        drivers.append(Driver("steps", n, 1))  # its tracker keeps the step view on
     for d in drivers:
         if d is off:
             hooks.unwrap()
@@ -118,7 +126,8 @@ def run(n: int, blocks: int, steps_per_block: int, warmup: int) -> dict[str, obj
     per_block: dict[str, list[float]] = {d.name: [] for d in drivers}
     gc.collect()
     for b in range(blocks):
-        order = drivers[b % 3 :] + drivers[: b % 3]
+        k = b % len(drivers)
+        order = drivers[k:] + drivers[:k]
         for d in order:
             if d is off:
                 hooks.unwrap()
@@ -147,9 +156,9 @@ def run(n: int, blocks: int, steps_per_block: int, warmup: int) -> dict[str, obj
         "running": n,
         "steps_per_mode": on.steps,
         "step_ms_median": {d.name: round(statistics.median(d.times) * 1e3, 3) for d in drivers},
-        "ratio_vs_off": {"on": ratio_stats("on"), "ratio0": ratio_stats("ratio0")},
+        "ratio_vs_off": {d.name: ratio_stats(d.name) for d in drivers if d is not off},
         "journeys_finished": {d.name: d.finished for d in drivers},
-        "engine_us_per_journey": {"on": us_per_journey(on), "ratio0": us_per_journey(ratio0)},
+        "engine_us_per_journey": {d.name: us_per_journey(d) for d in drivers if d is not off},
         "preemptions": {d.name: d.preemptions for d in drivers},
     }
 
@@ -160,10 +169,11 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=12)
     ap.add_argument("--steps", type=int, default=40, help="steps per block")
     ap.add_argument("--warmup", type=int, default=60)
+    ap.add_argument("--step-view", action="store_true", help="add the step-view engine")
     args = ap.parse_args()
     results = []
     for n in (int(x) for x in args.sizes.split(",")):
-        r = run(n, args.blocks, args.steps, args.warmup)
+        r = run(n, args.blocks, args.steps, args.warmup, args.step_view)
         print(json.dumps(r), flush=True)
         results.append(r)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

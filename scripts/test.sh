@@ -9,7 +9,7 @@ bash scripts/setup_chromium.sh      # headless Chromium for the timeline tests
 bash scripts/fetch_vllm033.sh
 . .venv/bin/activate
 
-echo "== ruff"; ruff check src tests examples benchmarks
+echo "== ruff"; ruff check src tests examples benchmarks deploy
 echo "== mypy (strict, src/)"; mypy
 export VJO_REQUIRE_VLLM=1 PYTHONUNBUFFERED=1
 

@@ -73,6 +73,25 @@ def model_dir() -> Path:
     return _MODEL_DIR
 
 
+class AcceptAllGrammar:
+    """A compiled grammar that accepts every token (no tokenizer here to compile one)."""
+
+    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+        return True
+
+    def validate_tokens(self, tokens: list[int]) -> list[int]:
+        return tokens
+
+    def rollback(self, num_tokens: int) -> None:
+        pass
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def reset(self) -> None:
+        pass
+
+
 class Engine:
     """A real Scheduler plus a fabricated model runner."""
 
@@ -87,6 +106,11 @@ class Engine:
         enable_prefix_caching: bool = True,
         long_prefill_token_threshold: int = 0,
         v2_runner_layout: bool = False,
+        policy: str = "fcfs",
+        num_spec_tokens: int = 0,
+        max_loras: int = 0,
+        remote_kv: bool = False,
+        spec_metrics: str = "none",
     ) -> None:
         global _HASH_READY
         if not _HASH_READY:
@@ -101,10 +125,45 @@ class Engine:
             long_prefill_token_threshold=long_prefill_token_threshold,
             async_scheduling=async_scheduling,
             is_encoder_decoder=False,
+            policy=policy,
         )
         mc = ModelConfig(model=str(model_dir()), skip_tokenizer_init=True, dtype="float32", seed=0)
         cc = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching)
-        vc = VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc)
+        extra: dict[str, Any] = {}
+        if num_spec_tokens:
+            from vllm.config import SpeculativeConfig
+
+            # The n-gram proposer: no draft model to load. Drafts are fabricated
+            # below (propose), as the model runner would hand them over.
+            extra["speculative_config"] = SpeculativeConfig(
+                # vLLM allows async scheduling with the GPU n-gram proposer only.
+                method="ngram_gpu" if async_scheduling else "ngram",
+                num_speculative_tokens=num_spec_tokens,
+                prompt_lookup_max=4,
+                prompt_lookup_min=2,
+            )
+        if spec_metrics != "none":
+            from vllm.config import ObservabilityConfig
+
+            # vLLM's own per-request draft counts (--per-request-spec-decode-metrics).
+            extra["observability_config"] = ObservabilityConfig(
+                per_request_spec_decode_metrics=spec_metrics
+            )
+        if max_loras:
+            from vllm.config import LoRAConfig
+
+            extra["lora_config"] = LoRAConfig(max_loras=max_loras, max_lora_rank=8)
+        if remote_kv:
+            from vllm.config import KVTransferConfig
+
+            # tests/remote_kv_connector.py: asynchronous loads the test finishes.
+            extra["kv_transfer_config"] = KVTransferConfig(
+                kv_connector="RemoteKVTestConnector",
+                kv_connector_module_path="remote_kv_connector",
+                kv_role="kv_consumer",
+            )
+            sc.disable_hybrid_kv_cache_manager = True
+        vc = VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc, **extra)
         kv = KVCacheConfig(
             num_blocks=num_blocks,
             kv_cache_tensors=[],
@@ -134,10 +193,20 @@ class Engine:
             # makes schedule() list resumed requests in scheduled_new_reqs.
             self.scheduler.use_v2_model_runner = True
         self.async_scheduling = async_scheduling
+        self.num_spec_tokens = num_spec_tokens
+        # Speculative decoding: how many of a step's drafts the fabricated model
+        # accepts, from (request id, verify steps so far, drafts scheduled).
+        self.accept_for: Callable[[str, int, int], int] = lambda rid, i, n: n
+        # request id -> [(drafts proposed, drafts accepted)] per verify step, as
+        # the fabricated model decided them.
+        self.verify_log: dict[str, list[tuple[int, int]]] = {}
+        self.stale_verify: dict[str, list[tuple[int, int]]] = {}
         # Outputs scheduled but not yet processed (the batch queue).
         self._in_flight: deque[tuple[Any, dict[str, bool]]] = deque()
         self.token_for: Callable[[str, int], int] = lambda rid, n: TOKEN
         self.requests: dict[str, Request] = {}
+        # KV connector: remote loads the next processed step reports finished.
+        self.kv_loaded: set[str] = set()
         self.prefill_stats: dict[str, Any] = {}
         # request id -> token ids delivered to the client, in order
         self.outputs: dict[str, list[int]] = {}
@@ -155,12 +224,25 @@ class Engine:
         arrival_time: float | None = None,
         priority: int = 0,
         ignore_eos: bool = True,
+        lora: Any = None,
+        json_schema: str | None = None,
+        remote_prefill: bool = False,
+        resumable: bool = False,
     ) -> Request:
         # crc32, not hash(): str hashes change with PYTHONHASHSEED between runs.
         fill = 100 + zlib.crc32(rid.encode()) % 800
         tokens = prompt if prompt is not None else [fill] * prompt_len
+        extra: dict[str, Any] = {}
+        if json_schema is not None:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            # The request waits for its grammar (WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR)
+            # until the test sets one: compile_grammar().
+            extra["structured_outputs"] = StructuredOutputsParams(json=json_schema)
+        if remote_prefill:
+            extra["extra_args"] = {"kv_transfer_params": {"do_remote_prefill": True}}
         sp = SamplingParams(
-            max_tokens=max_tokens, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos
+            max_tokens=max_tokens, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, **extra
         )
         req = Request(
             request_id=rid,
@@ -171,10 +253,48 @@ class Engine:
             priority=priority,
             trace_headers=trace_headers,
             block_hasher=self._hasher,
+            lora_request=lora,
+            resumable=resumable,
         )
         self.requests[rid] = req
         self.scheduler.add_request(req)
         return req
+
+    def send_input(self, rid: str, prompt_len: int = 8, max_tokens: int = 4) -> None:
+        """Streaming input: the next input chunk of session ``rid`` (a Request with
+        the same id, as EngineCore hands it to the scheduler)."""
+        fill = 100 + zlib.crc32(f"{rid}/{prompt_len}".encode()) % 800
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        chunk = Request(
+            request_id=rid,
+            prompt_token_ids=[fill] * prompt_len,
+            sampling_params=sp,
+            pooling_params=None,
+            arrival_time=time.time(),
+            block_hasher=self._hasher,
+            resumable=True,
+        )
+        self.scheduler.add_request(chunk)
+
+    def end_session(self, rid: str) -> None:
+        """Streaming input: the client closed the session (a non-resumable add)."""
+        sp = SamplingParams(max_tokens=1)
+        end = Request(
+            request_id=rid,
+            prompt_token_ids=[TOKEN],
+            sampling_params=sp,
+            pooling_params=None,
+            arrival_time=time.time(),
+            block_hasher=self._hasher,
+        )
+        self.scheduler.add_request(end)
+
+    def compile_grammar(self, rid: str, error: bool = False) -> None:
+        """The grammar of a structured-output request is ready (or failed), as the
+        StructuredOutputManager's compile thread would leave it."""
+        sor = self.requests[rid].structured_output_request
+        assert sor is not None
+        sor.grammar = ValueError("bad schema") if error else AcceptAllGrammar()  # type: ignore[assignment]
 
     def abort(self, *rids: str) -> None:
         self.scheduler.finish_requests(list(rids), RequestStatus.FINISHED_ABORTED)
@@ -203,12 +323,31 @@ class Engine:
         for rid in ids:
             req = self.requests.get(rid)
             n = req.num_output_tokens if req is not None else 0
-            sampled.append([self.token_for(rid, n)] if sample[rid] else [])
+            tokens = [self.token_for(rid, n)] if sample[rid] else []
+            drafts = so.scheduled_spec_decode_tokens.get(rid)
+            # (A request finished meanwhile, async: vLLM discards this output.)
+            if drafts and tokens and req is not None and not req.is_finished():
+                log = self.verify_log.setdefault(rid, [])
+                accepted = min(len(drafts), self.accept_for(rid, len(log), len(drafts)))
+                log.append((len(drafts), accepted))
+                if req.num_stale_output_tokens > 0:
+                    # Async: the request was preempted while this step was in
+                    # flight; vLLM still delivers (and counts) its output.
+                    self.stale_verify.setdefault(rid, []).append((len(drafts), accepted))
+                # The accepted drafts, then the token sampled after them (with
+                # async scheduling the scheduled drafts are placeholders, -1).
+                tokens = [TOKEN] * accepted + tokens
+            sampled.append(tokens)
         mro = ModelRunnerOutput(
             req_ids=ids,
             req_id_to_index={rid: i for i, rid in enumerate(ids)},
             sampled_token_ids=sampled,
         )
+        if self.kv_loaded:
+            from vllm.v1.outputs import KVConnectorOutput
+
+            mro.kv_connector_output = KVConnectorOutput(finished_recving=set(self.kv_loaded))
+            self.kv_loaded.clear()
         outputs = self.scheduler.update_from_output(so, mro)
         for eco in outputs.values():
             for out in eco.outputs:
@@ -217,7 +356,20 @@ class Engine:
                 if getattr(out, "prefill_stats", None) is not None:
                     self.prefill_stats[out.request_id] = out.prefill_stats
                 self.outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if self.num_spec_tokens and not self.async_scheduling:
+            # Async scheduling drafts in the worker: the AsyncScheduler schedules
+            # placeholders itself (EngineCore.post_step skips this too).
+            self.propose()
         return outputs
+
+    def propose(self) -> None:
+        """What the engine does after a step with a drafter: hand the scheduler
+        ``num_spec_tokens`` draft tokens for every running request."""
+        from vllm.v1.outputs import DraftTokenIds
+
+        ids = [r.request_id for r in self.scheduler.running]
+        drafts = [[TOKEN] * self.num_spec_tokens for _ in ids]
+        self.scheduler.update_draft_token_ids(DraftTokenIds(ids, drafts))
 
     def step(self) -> Any:
         """One engine step: sync = schedule then update; async = schedule N+1, update N."""

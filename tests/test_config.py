@@ -64,3 +64,16 @@ def test_good_numbers() -> None:
         }
     )
     assert (cfg.queue_size, cfg.export_interval_ms, cfg.shutdown_timeout_s) == (100, 20, 1.5)
+
+
+def test_step_view_settings(caplog) -> None:
+    on = {config.ENABLE: "1"}
+    assert (config.from_env(on).steps, config.from_env(on).steps_ratio) == (False, 1.0)
+    cfg = config.from_env({**on, config.STEPS: "1", config.STEPS_RATIO: "0.05"})
+    assert (cfg.steps, cfg.steps_ratio) == (True, 0.05)
+    with caplog.at_level(logging.WARNING, logger="vllm.journey_otel"):
+        cfg = config.from_env({**on, config.STEPS: "sometimes", config.STEPS_RATIO: "2"})
+    assert cfg.enabled and not cfg.steps and cfg.steps_ratio == 1.0
+    assert "The step view stays off" in caplog.text and config.STEPS_RATIO in caplog.text
+    # The step view alone does not turn tracing on.
+    assert not config.from_env({config.STEPS: "1"}).enabled

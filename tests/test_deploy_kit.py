@@ -814,7 +814,10 @@ def test_every_promised_attribute_is_emitted_by_real_journeys(tracing) -> None: 
     for span in tracing.spans():
         emitted.setdefault(span.name, set()).update(span.attributes or {})
         resource.update(span.resource.attributes)
-    assert set(S.SPAN_NAMES) <= set(emitted), set(S.SPAN_NAMES) - set(emitted)
+    # Every span of the plain path; vllm.wait (a wait happened) and vllm.step (the
+    # opt-in step view) are covered in tests/test_beyond_plain.py.
+    plain = set(S.SPAN_NAMES) - {S.SPAN_WAIT, S.SPAN_STEP}
+    assert plain <= set(emitted), plain - set(emitted)
 
     promises = list(collector_refs()[1])
     for path in DASHBOARD_FILES:

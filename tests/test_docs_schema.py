@@ -45,7 +45,9 @@ def test_enumerated_values_documented() -> None:
         *S.FINISH_STATUSES,
         S.SCHEDULE_FIRST,
         S.SCHEDULE_RESUME,
+        S.SCHEDULE_NEXT_INPUT,
         S.PHASE_PREFILL,
         S.PHASE_DECODE,
+        *S.WAIT_REASONS,
     ):
         assert f"`{value}`" in DOC, value

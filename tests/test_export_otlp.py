@@ -137,3 +137,45 @@ def test_console_exporter() -> None:
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count('"name": "vllm.request"') == 2
+
+
+def test_links_survive_the_exporter_process(receiver, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Process mode: step records travel with journeys through the pipe, and the
+    links (a step's batch, a priority preemption's cause) reach the roots that the
+    exporter process built with the ids chosen in the engine."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")
+    monkeypatch.setenv(
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{receiver.grpc_port}"
+    )
+    assert hooks.install(Config(enabled=True, export_mode=MODE_PROCESS, steps=True))
+    try:
+        e = harness.Engine(
+            policy="priority", num_blocks=5, max_num_batched_tokens=64, max_model_len=512
+        )
+        e.add("low", prompt_len=14, max_tokens=20, priority=10)
+        e.step()
+        e.step()
+        e.add("high", prompt_len=32, max_tokens=5, priority=0)
+        steps = e.run() + 2
+        e.scheduler.shutdown()
+        spans = wait_until(
+            lambda: (
+                sum(s.name == S.SPAN_STEP for s in receiver.spans()) >= steps - 1
+                and receiver.spans()
+            ),
+            20,
+            0.1,
+            "step spans",
+        )
+    finally:
+        hooks.uninstall()
+    roots = {s.attrs[S.REQUEST_ID]: s.span for s in spans if s.name == S.SPAN_REQUEST}
+    assert set(roots) == {"low", "high"}
+    root_ids = {(r.trace_id, r.span_id) for r in roots.values()}
+    step_spans = [s for s in spans if s.name == S.SPAN_STEP]
+    linked = {(lk.trace_id, lk.span_id) for s in step_spans for lk in s.span.links}
+    assert linked == root_ids
+    (preempted,) = [s for s in spans if s.name == S.SPAN_PREEMPTED]
+    assert preempted.attrs[S.PREEMPTED_BY] == "high"
+    (link,) = preempted.span.links
+    assert (link.trace_id, link.span_id) == (roots["high"].trace_id, roots["high"].span_id)

@@ -27,6 +27,7 @@ HOOKED = (
     "update_from_output",
     "_free_request",
     "shutdown",
+    "_handle_stopped_request",  # optional (streaming input); present in 0.32 and 0.33
 )
 
 

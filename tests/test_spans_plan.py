@@ -223,3 +223,91 @@ def test_trace_headers_are_bounded_and_malformed_ones_make_a_root() -> None:
         assert not trace.get_current_span(ctx).get_span_context().is_valid, tp
     ctx = parent_context(bounded_trace_headers({"traceparent": good}))
     assert trace.get_current_span(ctx).get_span_context().trace_id == int("a" * 32, 16)
+
+
+def test_waits_inside_the_queue_plan() -> None:
+    """A wait that ends while queued, one closed by the schedule, one inside a preemption."""
+    from vllm_journey_otel.journey import WaitBegan
+
+    lora = S.WAIT_REASONS.index(S.WAIT_LORA_SLOT)
+    j = _journey()
+    j.wait_began(12 * MS, 1, lora)
+    j.wait_began(13 * MS, 1, lora)  # already waiting for it: nothing new
+    j.wait_ended(14 * MS, 2)
+    j.wait_ended(14 * MS, 2)  # no open wait: nothing
+    j.wait_began(16 * MS, 3, lora)
+    j.scheduled(20 * MS, 4, 0, 100, 100, 0)
+    j.wait_began(21 * MS, 4, lora)  # running: not a wait in the queue
+    j.preempted(25 * MS, 5, 50, 0, 0.9, 1, 0)
+    j.wait_began(27 * MS, 6, lora)
+    assert sum(isinstance(e, WaitBegan) for e in j.events) == 3
+    fj = j.finish(30 * MS, 7, STATUS_ABORTED, "abort", 0, None)
+    assert fj is not None
+    plan = plan_spans(fj, OFFSET)
+    queued = plan.index(_by_name(plan, S.SPAN_QUEUED)[0])
+    preempted = plan.index(_by_name(plan, S.SPAN_PREEMPTED)[0])
+    waits = [
+        (p.parent, (p.start_unix_ns - OFFSET) // MS, (p.end_unix_ns - OFFSET) // MS)
+        for p in _by_name(plan, S.SPAN_WAIT)
+    ]
+    assert waits == [(queued, 12, 14), (queued, 16, 20), (preempted, 27, 30)]
+    for w in _by_name(plan, S.SPAN_WAIT):
+        assert w.attributes == {S.WAIT_REASON: S.WAIT_LORA_SLOT}
+
+
+def test_spec_decode_plan_per_decode_span() -> None:
+    j = RequestJourney("r", 0.0, 10 * MS, 0, prompt_tokens=100, max_tokens=50, spec_decode=True)
+    j.scheduled(20 * MS, 1, 0, 100, 100, 0)
+    j.tokens(30 * MS, 1, 1)
+    j.verified(3, 2)
+    j.verified(3, 0)
+    j.preempted(40 * MS, 3, 100, 5, 0.5, 1, 0)
+    j.verified(3, 3)  # async: output of a step in flight at the preemption
+    j.scheduled(50 * MS, 4, 0, 105, 105, 5)
+    j.tokens(60 * MS, 4, 6)
+    j.verified(4, 1)
+    fj = j.finish(70 * MS, 5, STATUS_LENGTH, "length", 8, 70 * MS)
+    assert fj is not None
+    plan = plan_spans(fj, OFFSET)
+    d1, d2 = _by_name(plan, S.SPAN_DECODE)
+    assert (d1.attributes[S.SPEC_DRAFTS_PROPOSED], d1.attributes[S.SPEC_DRAFTS_ACCEPTED]) == (6, 2)
+    assert d1.attributes[S.SPEC_ACCEPTANCE_RATE] == pytest.approx(1 / 3)
+    assert (d2.attributes[S.SPEC_DRAFTS_PROPOSED], d2.attributes[S.SPEC_DRAFTS_ACCEPTED]) == (4, 1)
+    root = plan[0].attributes
+    # The root counts every verify step, the one in flight at the preemption too.
+    assert (root[S.SPEC_DRAFTS_PROPOSED], root[S.SPEC_DRAFTS_ACCEPTED]) == (13, 6)
+
+
+def test_step_records_and_journeys_share_the_pipe_and_link() -> None:
+    """What the exporter process receives: journeys and step records in one frame;
+    a step's links resolve to the roots of the journeys it names."""
+    from vllm_journey_otel.journey import StepRecord
+    from vllm_journey_otel.sinks import DECODER, ENCODER, Frame, SpanSink
+    from vllm_journey_otel.spans import PresetIdGenerator
+
+    j = _journey()
+    j.scheduled(20 * MS, 1, 0, 100, 100, 0)
+    target = j.link_target()
+    assert j.link_target() is target  # chosen once
+    fj = j.finish(25 * MS, 1, STATUS_ABORTED, "abort", 0, None)
+    assert fj is not None and fj.root_ids == target.ids
+    step = StepRecord(1, 19 * MS, 20 * MS, 24 * MS, 1, 100, 0, 0, 0.5, 1, 0, [target])
+    frame = DECODER.decode(ENCODER.encode(Frame([fj, step], 0)))
+    back = frame.journeys
+    assert back == [fj, step]
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(id_generator=PresetIdGenerator())
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    assert SpanSink(provider).consume(back) == 0
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    root, step_span = spans[S.SPAN_REQUEST], spans[S.SPAN_STEP]
+    assert step_span.parent is None
+    assert step_span.context.trace_id != root.context.trace_id
+    (link,) = step_span.links
+    assert (link.context.trace_id, link.context.span_id) == (
+        root.context.trace_id,
+        root.context.span_id,
+    )
+    assert step_span.attributes[S.STEP_SCHEDULE_MS] == pytest.approx(1.0)
+    assert step_span.attributes[S.STEP_PREFILL_TOKENS] == 100

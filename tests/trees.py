@@ -48,7 +48,7 @@ class Node:
 
 def journeys(spans: Iterable[ReadableSpan]) -> dict[str, Node]:
     """request id -> root node, children sorted by start time."""
-    spans = list(spans)
+    spans = [s for s in spans if s.name != S.SPAN_STEP]  # the step view: own traces
     by_id = {s.context.span_id: Node(s) for s in spans}
     roots: dict[str, Node] = {}
     for node in by_id.values():
@@ -93,10 +93,11 @@ def check_invariants(root: Node, check_kind: bool = True) -> None:
     assert root.start <= kids[0].start
     names = [k.name for k in kids]
     assert set(names) <= {S.SPAN_QUEUED, S.SPAN_SCHEDULED, S.SPAN_PREEMPTED}
-    # scheduled and preempted alternate after queued
+    # scheduled and preempted (or, for a streaming-input session, queued) alternate
     for a, b in itertools.pairwise(names):
         assert a != b, names
     cycle = 0
+    prev = None
     for k in kids:
         assert root.start <= k.start <= k.end <= root.end
         allowed = S.attributes_of(k.name)
@@ -105,8 +106,13 @@ def check_invariants(root: Node, check_kind: bool = True) -> None:
             assert key in k.attrs, (k.name, key)
         if k.name == S.SPAN_SCHEDULED:
             assert k.attrs[S.CYCLE] == cycle
+            # Streaming input: a session's next segment starts after a queued span.
             assert k.attrs[S.SCHEDULE_KIND] == (
-                S.SCHEDULE_FIRST if cycle == 0 else S.SCHEDULE_RESUME
+                S.SCHEDULE_FIRST
+                if cycle == 0
+                else S.SCHEDULE_NEXT_INPUT
+                if prev == S.SPAN_QUEUED
+                else S.SCHEDULE_RESUME
             )
             cycle += 1
             phases = k.children
@@ -123,7 +129,17 @@ def check_invariants(root: Node, check_kind: bool = True) -> None:
                 assert k.start <= p.start <= p.end <= k.end
             assert S.PREFILL_CHUNKS in phases[0].attrs and S.CACHED_TOKENS in phases[0].attrs
         else:
-            assert not k.children
+            assert k.name != S.SPAN_QUEUED or k is kids[0] or S.SEGMENT in k.attrs
+            # Only waits inside the queue, in time order, within their parent.
+            assert all(w.name == S.SPAN_WAIT for w in k.children), k.shape()
+            for w in k.children:
+                assert k.start <= w.start <= w.end <= k.end
+                assert set(w.attrs) == {S.WAIT_REASON}, w.attrs
+                assert w.attrs[S.WAIT_REASON] in S.WAIT_REASONS
+                assert not w.children
+            for a, b in itertools.pairwise(k.children):
+                assert a.end <= b.start
+        prev = k.name
     root_allowed = S.attributes_of(S.SPAN_REQUEST)
     assert set(root.attrs) <= root_allowed, set(root.attrs) - root_allowed
     assert root.attrs[S.NUM_PREEMPTIONS] == len(root.kids(S.SPAN_PREEMPTED))

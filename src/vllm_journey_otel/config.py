@@ -30,6 +30,9 @@ FILE_KEEP = "VLLM_JOURNEY_OTEL_FILE_KEEP"
 # The tail rule (sampling.py).
 TAIL = "VLLM_JOURNEY_OTEL_TAIL"
 TAIL_SLOW_MS = "VLLM_JOURNEY_OTEL_TAIL_SLOW_MS"
+# The engine step view (a vllm.step span per sampled scheduler step).
+STEPS = "VLLM_JOURNEY_OTEL_STEPS"
+STEPS_RATIO = "VLLM_JOURNEY_OTEL_STEPS_RATIO"
 
 ALL_VARIABLES = (
     ENABLE,
@@ -43,6 +46,8 @@ ALL_VARIABLES = (
     FILE_KEEP,
     TAIL,
     TAIL_SLOW_MS,
+    STEPS,
+    STEPS_RATIO,
 )
 
 MODE_PROCESS = "process"
@@ -76,19 +81,23 @@ class Config:
     # and those aborted journeys leave it within milliseconds; without the wait
     # the SIGKILL lands ~0.1 ms after the SIGTERM and they are lost. 0: off.
     shutdown_grace_ms: int = 500
+    # The engine step view: a vllm.step span for a sampled fraction of the
+    # scheduler steps that scheduled something. Off: one boolean check per step.
+    steps: bool = False
+    steps_ratio: float = 1.0
 
 
-def _flag(env: Mapping[str, str], name: str) -> bool:
+def _flag(env: Mapping[str, str], name: str, off: str = "Journey tracing stays off") -> bool:
     raw = env.get(name, "")
     value = raw.strip().lower()
     if value in _TRUE:
         return True
     if value not in _FALSE:
         logger.warning(
-            "%s=%r is not understood; accepted values: 1/true/yes/on or 0/false/no/off. "
-            "Journey tracing stays off.",
+            "%s=%r is not understood; accepted values: 1/true/yes/on or 0/false/no/off. %s.",
             name,
             raw,
+            off,
         )
     return False
 
@@ -140,4 +149,6 @@ def from_env(env: Mapping[str, str] | None = None) -> Config:
         shutdown_timeout_s=_number(env, SHUTDOWN_TIMEOUT_S, d.shutdown_timeout_s, 0, 60),
         export_mode=_choice(env, EXPORT_MODE, d.export_mode, (MODE_PROCESS, MODE_THREAD)),
         shutdown_grace_ms=int(_number(env, SHUTDOWN_GRACE_MS, d.shutdown_grace_ms, 0, 60_000)),
+        steps=_flag(env, STEPS, "The step view stays off"),
+        steps_ratio=_number(env, STEPS_RATIO, d.steps_ratio, 0, 1),
     )

@@ -2,10 +2,11 @@
 
 Started by :meth:`vllm_journey_otel.sinks.PipeSink.start` from the engine core,
 detached from its process tree. It reads frames of msgpack-encoded
-``list[FinishedJourney]`` from stdin, builds spans (clock conversion, span plan,
-SDK tracer) and exports them through a private TracerProvider configured by the
-inherited OTEL_* variables. On end-of-file (the engine core closed the pipe or
-died) or SIGTERM it flushes within the deadline and exits.
+``list[Record]`` (finished journeys, sampled steps) from stdin, builds spans
+(clock conversion, span plan, SDK tracer) and exports them through a private
+TracerProvider configured by the inherited OTEL_* variables. On end-of-file
+(the engine core closed the pipe or died) or SIGTERM it flushes within the
+deadline and exits.
 
 Clock: CLOCK_MONOTONIC is system-wide, so this process's wall-mono-wall anchor
 converts the engine core's ``*_mono_ns`` stamps correctly (same host).

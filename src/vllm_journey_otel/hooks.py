@@ -20,8 +20,16 @@ Hook points (vLLM 0.32 and 0.33):
 continuation), ``schedule`` (first schedule or resume, prefill chunks),
 ``_preempt_request`` (preemption, read before vLLM resets ``num_computed_tokens``;
 without it, ``SchedulerOutput.preempted_req_ids``), ``update_from_output``
-(first token of a cycle), ``_free_request`` (every terminal transition), and
-``shutdown`` (flush with a deadline).
+(first token of a cycle; speculative-decoding drafts), ``_free_request`` (every
+terminal transition), ``_handle_stopped_request`` when present (a streaming-input
+session's segment ends), and ``shutdown`` (flush with a deadline).
+
+Beyond the plain path, per step and only where configured: the LoRA adapter-slot
+and remote-KV waits (vLLM's skipped requests, with a LoRA config or a KV
+connector), status waits (grammar, remote KV: the blocked requests), the drafts
+of a speculative step (the requests with drafts) and the opt-in step view (the
+batch, on sampled steps). A preemption's cause is read from ``schedule()``'s
+frame, at the preemption only.
 """
 
 from __future__ import annotations
@@ -30,7 +38,9 @@ import atexit
 import functools
 import inspect
 import os
+import random
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -52,7 +62,9 @@ from .journey import (
     STATUS_IGNORED,
     STATUS_LENGTH,
     STATUS_STOPPED,
+    LinkTarget,
     RequestJourney,
+    StepRecord,
 )
 from .pipeline import JourneyPipeline
 from .provider import make_tracer_provider, sdk_disabled
@@ -60,6 +72,14 @@ from .sampling import HeadSampler, TailRule
 from .sinks import PipeSink, Sink, SpanSink
 
 _now = time.monotonic_ns
+_frame = sys._getframe
+_WAIT_LORA = S.WAIT_REASONS.index(S.WAIT_LORA_SLOT)
+_WAIT_STREAMING = S.WAIT_REASONS.index(S.WAIT_STREAMING_INPUT)
+# vLLM request statuses that mean "waiting for something specific" -> wait reason.
+_STATUS_WAITS = {
+    "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR": S.WAIT_REASONS.index(S.WAIT_GRAMMAR),
+    "WAITING_FOR_REMOTE_KVS": S.WAIT_REASONS.index(S.WAIT_REMOTE_KV),
+}
 
 # Attribute names we set on vLLM objects.
 TRACKER_ATTR = "_vjo_tracker"
@@ -108,6 +128,8 @@ class _State:
         # (class, name) -> (original, whether the class defined it or inherited it)
         self.originals: dict[tuple[type, str], tuple[Callable[..., Any], bool]] = {}
         self.status_map: dict[Any, tuple[int, str]] = {}
+        self.status_waits: dict[Any, int] = {}
+        self.streaming_status: Any = None
         self.pipeline: JourneyPipeline | None = None
         self.pipeline_pid = 0
         # Tests inject an exporter; otherwise the OTEL_* variables decide.
@@ -136,6 +158,8 @@ def _fail(where: str) -> None:
     _STATE.enabled = False
     for tracker in list(_STATE.trackers):
         tracker.awaiting.clear()
+        tracker.steps_open.clear()
+        tracker.blocked.clear()
 
 
 # ---------------------------------------------------------------------------
@@ -217,15 +241,25 @@ class SchedulerTracker:
     __slots__ = (
         "__weakref__",
         "awaiting",
+        "blocked",
+        "has_connector",
         "head",
         "hook_preempt",
         "in_update",
         "last_update_ids",
         "last_update_mono_ns",
+        "max_loras",
+        "num_sampled",
         "pipeline",
         "scheduler",
+        "spec_decode",
+        "spec_from_vllm",
         "status_map",
+        "status_waits",
         "step",
+        "steps_open",
+        "steps_ratio",
+        "streaming_status",
         "tail",
         "update_mono_ns",
     )
@@ -245,6 +279,30 @@ class SchedulerTracker:
         self.update_mono_ns = 0
         self.last_update_mono_ns = 0
         self.last_update_ids: Any = ()
+        vc = scheduler.vllm_config
+        self.spec_decode = getattr(vc, "speculative_config", None) is not None
+        # vLLM keeps per-request draft counts itself when asked to
+        # (--per-request-spec-decode-metrics): then they are read at transitions
+        # only, and nothing is done per step.
+        self.spec_from_vllm = self.spec_decode and (
+            getattr(scheduler, "spec_decode_metrics_level", "none") != "none"
+        )
+        # Tokens a step samples besides accepted drafts (0 for pooling models).
+        self.num_sampled = int(getattr(scheduler, "num_sampled_tokens_per_step", 1))
+        lora = getattr(vc, "lora_config", None)
+        self.max_loras = int(lora.max_loras) if lora is not None else 0
+        # Waits that vLLM expresses as a request status (grammar, remote KV):
+        # status -> reason, and the requests in such a wait (checked per step).
+        self.status_waits: dict[Any, int] = _STATE.status_waits
+        self.streaming_status = _STATE.streaming_status
+        self.blocked: dict[str, tuple[Any, RequestJourney, Any]] = {}
+        # A KV connector can put requests into WAITING_FOR_REMOTE_KVS in schedule().
+        self.has_connector = getattr(scheduler, "connector", None) is not None
+        # Step view: the fraction of steps recorded (0: off), and the recorded
+        # steps whose output is not processed yet, by id() of their SchedulerOutput.
+        cfg = _STATE.config
+        self.steps_ratio = cfg.steps_ratio if cfg.steps else 0.0
+        self.steps_open: dict[int, tuple[Any, ...]] = {}
 
     # add_request ----------------------------------------------------------
     def before_add(self, request: Any) -> bool:
@@ -254,28 +312,41 @@ class SchedulerTracker:
 
     def after_add(self, request: Any, known: bool) -> None:
         if known:
+            # Streaming input: the next input chunk of a session (or its end,
+            # which vLLM turns into an abort, seen by _free_request).
+            session = self.scheduler.requests.get(request.request_id)
+            j = getattr(session, JOURNEY_ATTR, None)
+            if (
+                j is not None
+                and j.wait_reason == _WAIT_STREAMING
+                and session.status != self.streaming_status
+            ):
+                j.wait_ended(_now(), self.step, _WAIT_STREAMING)
             return
         sampled = self.head.sampled(request.trace_headers)
         if not sampled and not self.tail.active:
             return  # an unsampled request costs this decision and nothing else
         sp = request.sampling_params
         lora = request.lora_request
-        setattr(
-            request,
-            JOURNEY_ATTR,
-            RequestJourney(
-                request.request_id,
-                request.arrival_time,
-                _now(),
-                self.step,
-                request.num_prompt_tokens,
-                sp.max_tokens if sp is not None else None,
-                request.priority,
-                lora.lora_name if lora is not None else None,
-                request.trace_headers,
-                sampled,
-            ),
+        j = RequestJourney(
+            request.request_id,
+            request.arrival_time,
+            _now(),
+            self.step,
+            request.num_prompt_tokens,
+            sp.max_tokens if sp is not None else None,
+            request.priority,
+            lora.lora_name if lora is not None else None,
+            request.trace_headers,
+            sampled,
+            self.spec_decode,
+            bool(getattr(request, "resumable", False)),
         )
+        setattr(request, JOURNEY_ATTR, j)
+        reason = self.status_waits.get(request.status)
+        if reason is not None:  # a grammar to compile before it can be scheduled
+            j.wait_began(j.admitted.t_mono_ns, self.step, reason)
+            self.blocked[request.request_id] = (request, j, request.status)
 
     # schedule --------------------------------------------------------------
     def after_schedule(self, t: int, out: Any) -> None:
@@ -301,6 +372,8 @@ class SchedulerTracker:
             j = getattr(req, JOURNEY_ATTR, None)
             if j is None:
                 continue
+            if self.spec_from_vllm:
+                _vllm_drafts(req, j)
             after = req.num_computed_tokens
             if j.scheduled(
                 t, step, after - nst.get(rid, 0), after, req.num_tokens, req.num_output_tokens
@@ -311,12 +384,121 @@ class SchedulerTracker:
             if n:
                 after = req.num_computed_tokens
                 j.stepped(step, after - n, after)
+        if self.blocked:
+            self._blocked_waits(t, step)
+        if self.max_loras or self.has_connector:
+            deferred = getattr(self.scheduler, "deferred_waiting", None)
+            if deferred:
+                self._deferred_waits(t, step, deferred)
+        ratio = self.steps_ratio
+        if ratio and nst and (ratio >= 1.0 or random.random() < ratio):
+            self._step_begin(t, step, out)
+
+    def _step_begin(self, t: int, step: int, out: Any) -> None:
+        """Step view only: what the step scheduled. O(batch), on sampled steps only."""
+        s = self.scheduler
+        get = s.requests.get
+        prefill = decode = 0
+        links: list[LinkTarget] = []
+        append = links.append
+        for rid, n in out.num_scheduled_tokens.items():
+            req = get(rid)
+            if req is None:
+                continue
+            # Decode: one new position (plus drafts) after the prompt and every
+            # generated token; anything further behind is prompt or recompute.
+            if req.num_computed_tokens - n >= req.num_tokens - 1 and (
+                req.num_output_tokens > 0 or req.num_output_placeholders > 0
+            ):
+                decode += n
+            else:
+                prefill += n
+            j = getattr(req, JOURNEY_ATTR, None)
+            if j is not None and j.head_sampled:
+                append(j.link or j.link_target())
+        open_steps = self.steps_open
+        if len(open_steps) >= 64:
+            # Outputs never processed (an engine that dropped a batch): forget
+            # them rather than grow. With async scheduling at most a few are open.
+            open_steps.clear()
+        open_steps[id(out)] = (
+            step,
+            t,
+            _now(),
+            len(out.num_scheduled_tokens),
+            prefill,
+            decode,
+            len(out.preempted_req_ids),
+            float(s.kv_cache_manager.usage),
+            len(s.running),
+            len(s.waiting),
+            links,
+        )
+
+    def _blocked_waits(self, t: int, step: int) -> None:
+        """Requests in a status wait: the wait ends when vLLM changes the status
+        (it notices a compiled grammar or a finished KV load in schedule())."""
+        done = [rid for rid, (req, _, status) in self.blocked.items() if req.status != status]
+        for rid in done:
+            _, j, status = self.blocked.pop(rid)
+            j.wait_ended(t, step, self.status_waits[status])
+
+    def _deferred_waits(self, t: int, step: int, deferred: Any) -> None:
+        """Requests that schedule() skipped (vLLM's ``deferred_waiting``), only with
+        a LoRA config or a KV connector; O(skipped requests).
+
+        * Waiting for remote KV: the connector started an asynchronous load
+          (status WAITING_FOR_REMOTE_KVS); tracked in ``blocked`` from then on.
+        * Waiting for an adapter slot: ``max_loras`` adapters were in use by
+          running requests and the request's own was not one of them.
+        """
+        active: set[int] | None = None
+        blocked = self.blocked
+        for req in deferred:
+            j = getattr(req, JOURNEY_ATTR, None)
+            if j is None:
+                continue
+            status = req.status
+            reason = self.status_waits.get(status)
+            if reason is not None:
+                rid = req.request_id
+                if rid not in blocked:
+                    j.wait_began(t, step, reason)
+                    blocked[rid] = (req, j, status)
+                continue
+            lora = req.lora_request
+            if lora is None or not self.max_loras:
+                continue
+            if active is None:
+                active = {
+                    r.lora_request.lora_int_id
+                    for r in self.scheduler.running
+                    if r.lora_request is not None and r.lora_request.lora_int_id > 0
+                }
+            if len(active) >= self.max_loras and lora.lora_int_id not in active:
+                j.wait_began(t, step, _WAIT_LORA)
+            elif j.wait_reason == _WAIT_LORA:
+                j.wait_ended(t, step, _WAIT_LORA)
 
     # _preempt_request ------------------------------------------------------
-    def before_preempt(self, request: Any) -> tuple[int, int, float, int, int] | None:
+    def before_preempt(self, request: Any) -> tuple[Any, ...] | None:
         if getattr(request, JOURNEY_ATTR, None) is None:
             return None
         s = self.scheduler
+        # The cause: schedule() preempts while it allocates KV blocks for the
+        # running request in its local ``request`` (both policies; with PRIORITY
+        # the victim is the lowest-priority running request). Frames: 0 this,
+        # 1 our wrapper, 2 its caller. Read only at a preemption.
+        cause_id = link = None
+        caller = _frame(2)
+        if caller.f_code.co_name == "schedule":
+            cause = caller.f_locals.get("request")
+            cid = getattr(cause, "request_id", None)
+            if cause is not request and isinstance(cid, str):
+                cause_id = cid
+                cj = getattr(cause, JOURNEY_ATTR, None)
+                if cj is not None and cj.head_sampled:
+                    link = cj.link_target()
         # Read before vLLM frees the blocks and resets num_computed_tokens: the
         # usage that forced the preemption, and the progress it throws away.
         return (
@@ -325,26 +507,84 @@ class SchedulerTracker:
             float(s.kv_cache_manager.usage),
             len(s.running),
             len(s.waiting),
+            cause_id,
+            link,
         )
 
-    def after_preempt(self, request: Any, pre: tuple[int, int, float, int, int] | None) -> None:
+    def after_preempt(self, request: Any, pre: tuple[Any, ...] | None) -> None:
         j = getattr(request, JOURNEY_ATTR, None)
         if pre is None or j is None:
             return
+        if self.spec_from_vllm:
+            _vllm_drafts(request, j)
         j.preempted(_now(), self.step, *pre)
         if not j.awaiting_token:
             self.awaiting.pop(request.request_id, None)
+
+    # _handle_stopped_request (streaming input) --------------------------------
+    def after_segment(self, request: Any, output_tokens: int) -> None:
+        """A resumable request stopped and stays: its input segment ended."""
+        j = getattr(request, JOURNEY_ATTR, None)
+        if j is None:
+            return
+        t = self.update_mono_ns if self.in_update else _now()
+        if self.spec_from_vllm:
+            _vllm_drafts(request, j)
+        waiting = request.status == self.streaming_status
+        j.segment_ended(
+            t,
+            self.step,
+            output_tokens,
+            request.num_computed_tokens,
+            _WAIT_STREAMING if waiting else -1,
+        )
+        self.awaiting.pop(request.request_id, None)
 
     # update_from_output ----------------------------------------------------
     def before_update(self) -> None:
         self.in_update = True
         self.update_mono_ns = _now()
 
+    def spec_verified(self, scheduler_output: Any, mro: Any) -> None:
+        """Speculative decoding: drafts proposed and accepted per request this step.
+
+        Read before the original runs, so a request that finishes in it still
+        counts its last step; the same arithmetic as vLLM's spec-decode stats.
+        O(requests with drafts), and only with speculative decoding.
+        """
+        get = self.scheduler.requests.get
+        index = mro.req_id_to_index.get
+        sampled = mro.sampled_token_ids
+        if not sampled and self.num_sampled:
+            return  # nothing generated: vLLM counts no verify step
+        invalid = getattr(scheduler_output, "num_invalid_spec_tokens", None)
+        k = self.num_sampled
+        for rid, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            req = get(rid)
+            j = getattr(req, JOURNEY_ATTR, None)
+            if j is None or not drafts:
+                continue
+            if req.num_stale_output_tokens > 0 and req.drop_stale_output:
+                continue  # vLLM discards this output
+            i = index(rid)
+            n = len(sampled[i]) if sampled and i is not None else 0
+            if not n and k:
+                continue
+            proposed = len(drafts)
+            if invalid:
+                proposed -= invalid.get(rid, 0)
+            j.verified(proposed, n - k if n > k else 0)
+
     def after_update(self, scheduler_output: Any) -> None:
         t = self.update_mono_ns
         self.in_update = False
         self.last_update_mono_ns = t
         self.last_update_ids = scheduler_output.num_scheduled_tokens
+        if self.steps_open:
+            rec = self.steps_open.pop(id(scheduler_output), None)
+            if rec is not None:
+                step, t0, t1, *rest = rec
+                self.pipeline.submit(StepRecord(step, t0, t1, _now(), *rest))
         # The last step before idling hands everything on: no later step would.
         self.pipeline.publish_due(t, force=not self.scheduler.requests)
         awaiting = self.awaiting
@@ -371,6 +611,8 @@ class SchedulerTracker:
         setattr(request, JOURNEY_ATTR, None)
         rid = request.request_id
         self.awaiting.pop(rid, None)
+        if self.blocked:
+            self.blocked.pop(rid, None)
         out_tokens = request.num_output_tokens
         last: int | None
         if self.in_update:
@@ -386,6 +628,8 @@ class SchedulerTracker:
                 else None
             )
         j.tokens(t, self.step, out_tokens)
+        if self.spec_from_vllm:
+            _vllm_drafts(request, j)
         status, reason = self.status_map.get(request.status, (STATUS_ABORTED, "abort"))
         finished = j.finish(t, self.step, status, reason, out_tokens, last)
         if finished is None:
@@ -400,6 +644,13 @@ class SchedulerTracker:
         self.pipeline.submit(finished)
         if not self.in_update:
             self.pipeline.publish_due(t, force=True)  # an abort between steps
+
+
+def _vllm_drafts(request: Any, j: RequestJourney) -> None:
+    """The request's draft totals from vLLM's own per-request spec-decode metrics."""
+    m = request.spec_decode_metrics
+    if m is not None:
+        j.drafts_so_far(m.num_draft_tokens, sum(i * c for i, c in enumerate(m.histogram)))
 
 
 # ---------------------------------------------------------------------------
@@ -479,6 +730,27 @@ def _wrap_schedule(orig: Callable[..., Any]) -> Callable[..., Any]:
     return schedule
 
 
+def _wrap_stopped(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """``_handle_stopped_request`` returns False when a streaming-input session
+    stops a segment and goes on; it runs only for stopped requests."""
+
+    @functools.wraps(orig)
+    def _handle_stopped_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        # The segment's output count, before vLLM may clear it for the next one.
+        out = request.num_output_tokens
+        result = orig(self, request, *args, **kwargs)
+        if result is False:
+            tr = _tracker(self)
+            if tr is not None:
+                try:
+                    tr.after_segment(request, out)
+                except Exception:
+                    _fail("_handle_stopped_request")
+        return result
+
+    return _handle_stopped_request
+
+
 def _wrap_update(orig: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(orig)
     def update_from_output(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
@@ -486,6 +758,16 @@ def _wrap_update(orig: Callable[..., Any]) -> Callable[..., Any]:
         if tr is None:
             return orig(self, scheduler_output, *args, **kwargs)
         tr.before_update()
+        if not tr.spec_from_vllm and getattr(
+            scheduler_output, "scheduled_spec_decode_tokens", None
+        ):
+            try:
+                mro = args[0] if args else kwargs["model_runner_output"]
+                tr.spec_verified(scheduler_output, mro)
+            except Exception:
+                _fail("update_from_output")
+                tr.in_update = False
+                return orig(self, scheduler_output, *args, **kwargs)
         try:
             result = orig(self, scheduler_output, *args, **kwargs)
         finally:
@@ -645,6 +927,8 @@ _WRAPPERS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
     "update_from_output": _wrap_update,
     "_free_request": _wrap_free,
     "shutdown": _wrap_shutdown,
+    # Optional (streaming-input sessions); absent: a session is one long journey.
+    "_handle_stopped_request": _wrap_stopped,
 }
 
 
@@ -711,12 +995,22 @@ def install(
             _STATE.exporters = exporters
             _STATE.batch = batch
             _STATE.status_map = _status_map(request_status)
+            _STATE.streaming_status = getattr(request_status, "WAITING_FOR_STREAMING_REQ", None)
+            _STATE.status_waits = {
+                getattr(request_status, name): reason
+                for name, reason in _STATUS_WAITS.items()
+                if hasattr(request_status, name)
+            }
             # Read once per process; trackers built from now on use them.
             _STATE.head = head if head is not None else HeadSampler.from_env(os.environ)
             _STATE.tail = tail if tail is not None else TailRule.from_env(os.environ)
             if not _STATE.installed:
                 for name, make in _WRAPPERS.items():
                     if name == "_preempt_request" and not support.hook_preempt:
+                        continue
+                    if name == "_handle_stopped_request" and not _signature_has(
+                        scheduler_cls, name, "request"
+                    ):
                         continue
                     _patch(scheduler_cls, name, make)
                 async_llm, output_processor = _frontend_classes()

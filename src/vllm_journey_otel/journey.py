@@ -31,6 +31,7 @@ state (e.g. a preemption of a queued request) are ignored rather than raised.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping
 from typing import Final
 
@@ -78,12 +79,39 @@ class Scheduled(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=1):
     cached_tokens: int
 
 
+class RootIds(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Ids chosen in advance for a journey's root span, so other spans can link to it.
+
+    The 128-bit trace id is two 64-bit halves (msgpack has no larger ints); it is
+    used only when the root starts a new trace (no valid client context).
+    """
+
+    trace_hi: int
+    trace_lo: int
+    span_id: int
+
+
+class LinkTarget(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Another journey's root, as a link target: its ids and its client's headers.
+
+    The link's trace id is the client's when ``trace_headers`` carry a valid
+    ``traceparent`` (the root is then in the client's trace), else ``ids``'.
+    """
+
+    request_id: str
+    ids: RootIds
+    trace_headers: dict[str, str] | None
+
+
 class FirstToken(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=2):
     """The first token of the current cycle arrived: prefill ends, decode starts."""
 
     at: Snapshot
     # Scheduler steps of this cycle that carried prefill tokens.
     prefill_chunks: int
+    # Speculative decoding: the request's draft totals so far (0 without it).
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
 
 
 class Preempted(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=3):
@@ -98,12 +126,47 @@ class Preempted(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=3):
     kv_cache_usage: float | None
     num_running: int | None
     num_waiting: int | None
+    # Speculative decoding: the request's draft totals at the preemption.
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+    # The running request whose KV-block allocation forced this preemption, when
+    # it was another request (None: not observed, or the victim itself).
+    cause_id: str | None = None
+    # Its journey's root, when that request is traced (head-sampled).
+    cause_link: LinkTarget | None = None
 
 
-Event = Scheduled | FirstToken | Preempted
+class WaitBegan(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=4):
+    """Inside the queue (queued or preempted), the request started waiting for
+    something specific (``reason``: index into schema.WAIT_REASONS). The wait ends
+    with the next :class:`WaitEnded`, or when the queued/preempted span ends."""
+
+    t_mono_ns: int
+    step: int
+    reason: int
 
 
-class FinishedJourney(msgspec.Struct, frozen=True, array_like=True, gc=False):
+class WaitEnded(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=5):
+    """The open wait ended (its cause went away) while the request stayed queued."""
+
+    t_mono_ns: int
+    step: int
+
+
+class SegmentEnded(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=6):
+    """Streaming input: the session's current input segment stopped and the
+    request went back to the queue for the next one (the running cycle ends)."""
+
+    at: Snapshot
+    prefill_chunks: int
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+
+
+Event = Scheduled | FirstToken | Preempted | WaitBegan | WaitEnded | SegmentEnded
+
+
+class FinishedJourney(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=10):
     """Everything needed to build a request's spans, recorded on the engine thread.
 
     Cheap to build (references and ints) and cheap to encode with msgspec, so it
@@ -131,6 +194,42 @@ class FinishedJourney(msgspec.Struct, frozen=True, array_like=True, gc=False):
     trace_headers: dict[str, str] | None = None
     # False: head sampling dropped it and the tail rule kept it.
     head_sampled: bool = True
+    # Ids of the root span, chosen in advance when another span links to it.
+    root_ids: RootIds | None = None
+    # A streaming-input session (vLLM's resumable request): token counts are the
+    # session's, over all its input segments.
+    session: bool = False
+    # Speculative decoding was configured: the draft totals below are observed.
+    spec_decode: bool = False
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+
+
+class StepRecord(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=11):
+    """One sampled scheduler step (the opt-in step view), recorded on the engine thread.
+
+    From the start of ``schedule()`` to the end of the ``update_from_output()``
+    that processed its output (with async scheduling, after the next schedule).
+    """
+
+    step: int
+    start_mono_ns: int
+    scheduled_mono_ns: int
+    end_mono_ns: int
+    batch_size: int
+    prefill_tokens: int
+    decode_tokens: int
+    # Preemptions since the previous step's schedule (vLLM's preempted_req_ids).
+    num_preemptions: int
+    kv_cache_usage: float
+    num_running: int
+    num_waiting: int
+    # Roots of the traced (head-sampled) journeys in the batch.
+    links: list[LinkTarget]
+
+
+# What the engine hands on to be exported.
+Record = FinishedJourney | StepRecord
 
 
 # W3C trace context sizes: a version-00 traceparent is 55 characters (later
@@ -179,21 +278,33 @@ class RequestJourney:
         "arrival_time_s",
         "cycle_out_start",
         "decoding",
+        "drafts_accepted",
+        "drafts_proposed",
         "events",
         "first_token_mono_ns",
+        "frontier",
         "head_sampled",
+        "input_offset",
         "last_cycle_step",
+        "link",
         "lora_name",
         "max_tokens",
         "num_preemptions",
+        "outputs_before",
         "prefill_chunks",
         "prefill_hwm",
         "prefill_target",
         "priority",
         "prompt_tokens",
         "request_id",
+        "root_ids",
+        "segment",
+        "session",
+        "spec_decode",
         "state",
         "trace_headers",
+        "vllm_prompt",
+        "wait_reason",
     )
 
     def __init__(
@@ -208,8 +319,26 @@ class RequestJourney:
         lora_name: str | None = None,
         trace_headers: Mapping[str, str] | None = None,
         head_sampled: bool = True,
+        spec_decode: bool = False,
+        session: bool = False,
     ) -> None:
         self.request_id = request_id
+        # Streaming-input sessions: the segment number, outputs of the segments
+        # before this one, and the positions vLLM counts as computed that are not
+        # input (kept outputs of earlier segments, which it folds into the prompt).
+        self.session = session
+        self.segment = 0
+        self.outputs_before = 0
+        self.input_offset = 0
+        self.frontier = 0
+        self.vllm_prompt = prompt_tokens
+        self.spec_decode = spec_decode
+        self.drafts_proposed = 0
+        self.drafts_accepted = 0
+        self.root_ids: RootIds | None = None
+        self.link: LinkTarget | None = None
+        # Reason of the open wait inside the queue (-1: none).
+        self.wait_reason = -1
         self.head_sampled = head_sampled
         self.arrival_time_s = arrival_time_s
         self.prompt_tokens = prompt_tokens
@@ -241,6 +370,7 @@ class RequestJourney:
         )
 
     def _progress(self, computed_tokens: int) -> None:
+        computed_tokens -= self.input_offset
         done = computed_tokens if computed_tokens < self.prompt_tokens else self.prompt_tokens
         if done > self.prefill_hwm:
             self.prefill_hwm = done
@@ -252,7 +382,47 @@ class RequestJourney:
             return not self.decoding
         return self.state == PREEMPTED and self.first_token_mono_ns is None
 
+    def link_target(self) -> LinkTarget:
+        """This journey's root as a link target; picks the root's ids on first use
+        (the same immutable object after that: a step view links it every step)."""
+        target = self.link
+        if target is None:
+            bits = random.getrandbits
+            ids = self.root_ids = RootIds(bits(64), bits(64) or 1, bits(64) or 1)
+            headers = dict(self.trace_headers) if self.trace_headers else None
+            target = self.link = LinkTarget(self.request_id, ids, headers)
+        return target
+
     # -- transitions -------------------------------------------------------
+    def wait_began(self, t_mono_ns: int, step: int, reason: int) -> None:
+        """In the queue, the request now waits for ``reason`` (no-op if it already does)."""
+        if self.state in (QUEUED, PREEMPTED) and self.wait_reason != reason:
+            if self.wait_reason >= 0:
+                self.events.append(WaitEnded(t_mono_ns, step))
+            self.wait_reason = reason
+            self.events.append(WaitBegan(t_mono_ns, step, reason))
+
+    def wait_ended(self, t_mono_ns: int, step: int, reason: int = -1) -> None:
+        """The open wait's cause went away while the request is still in the queue
+        (``reason``: only if that is the open wait's reason; -1: whichever)."""
+        if self.wait_reason >= 0 and (reason < 0 or reason == self.wait_reason):
+            self.wait_reason = -1
+            if self.state in (QUEUED, PREEMPTED):
+                self.events.append(WaitEnded(t_mono_ns, step))
+
+    def drafts_so_far(self, proposed: int, accepted: int) -> None:
+        """Speculative decoding: the request's totals, as vLLM's own per-request
+        metrics counted them (read at a transition instead of every step)."""
+        if self.state != FINISHED:
+            self.drafts_proposed = proposed
+            self.drafts_accepted = accepted
+
+    def verified(self, proposed: int, accepted: int) -> None:
+        """Speculative decoding: one verify step's drafts (proposed, accepted)."""
+        if self.state != FINISHED:
+            self.drafts_proposed += proposed
+            self.drafts_accepted += accepted
+
     def scheduled(
         self,
         t_mono_ns: int,
@@ -272,8 +442,16 @@ class RequestJourney:
         """
         if self.state not in (QUEUED, PREEMPTED):
             return False
+        output_tokens += self.outputs_before
+        if self.segment and self.state == QUEUED:
+            # The next input segment of a session: vLLM's prompt is now the
+            # history (frontier) plus the new input.
+            self.input_offset += self.frontier - self.vllm_prompt
+            self.prompt_tokens += num_tokens - self.frontier
+            self.vllm_prompt = num_tokens
         resume = self.state == PREEMPTED
         self.state = RUNNING
+        self.wait_reason = -1
         self.decoding = False
         self.prefill_chunks = 1
         self.prefill_target = num_tokens
@@ -295,6 +473,7 @@ class RequestJourney:
 
     def tokens(self, t_mono_ns: int, step: int, output_tokens: int) -> None:
         """Model output was processed; ``output_tokens`` is the request's total now."""
+        output_tokens += self.outputs_before
         if self.state == RUNNING:
             if not self.decoding and output_tokens > self.cycle_out_start:
                 self.prefill_hwm = self.prompt_tokens
@@ -302,7 +481,12 @@ class RequestJourney:
                 if self.first_token_mono_ns is None:
                     self.first_token_mono_ns = t_mono_ns
                 self.events.append(
-                    FirstToken(self._snap(t_mono_ns, step, output_tokens), self.prefill_chunks)
+                    FirstToken(
+                        self._snap(t_mono_ns, step, output_tokens),
+                        self.prefill_chunks,
+                        self.drafts_proposed,
+                        self.drafts_accepted,
+                    )
                 )
         elif self.state == PREEMPTED and self.first_token_mono_ns is None and output_tokens > 0:
             # Async scheduling: the token of a step that was in flight when the
@@ -319,10 +503,13 @@ class RequestJourney:
         kv_cache_usage: float | None,
         num_running: int | None,
         num_waiting: int | None,
+        cause_id: str | None = None,
+        cause_link: LinkTarget | None = None,
     ) -> None:
         """The running cycle ends by preemption (``computed_tokens`` read before vLLM resets it)."""
         if self.state != RUNNING:
             return
+        output_tokens += self.outputs_before
         self._progress(computed_tokens)
         self.num_preemptions += 1
         self.events.append(
@@ -332,10 +519,48 @@ class RequestJourney:
                 kv_cache_usage,
                 num_running,
                 num_waiting,
+                self.drafts_proposed,
+                self.drafts_accepted,
+                cause_id,
+                cause_link,
             )
         )
         self.state = PREEMPTED
         self.decoding = False
+
+    def segment_ended(
+        self,
+        t_mono_ns: int,
+        step: int,
+        output_tokens: int,
+        frontier: int,
+        wait_reason: int,
+    ) -> None:
+        """Streaming input: the segment stopped and the session went back to the
+        queue. ``output_tokens`` is the segment's (read before vLLM clears it),
+        ``frontier`` vLLM's computed tokens kept for the next segment, and
+        ``wait_reason`` >= 0 when it now waits for the client's next input."""
+        if self.state != RUNNING:
+            return
+        # The stop may come with the cycle's first token, before update's end.
+        self.tokens(t_mono_ns, step, output_tokens)
+        output_tokens += self.outputs_before
+        self.events.append(
+            SegmentEnded(
+                self._snap(t_mono_ns, step, output_tokens),
+                0 if self.decoding else self.prefill_chunks,
+                self.drafts_proposed,
+                self.drafts_accepted,
+            )
+        )
+        self.outputs_before = output_tokens
+        self.frontier = frontier
+        self.segment += 1
+        self.state = QUEUED
+        self.decoding = False
+        self.wait_reason = -1
+        if wait_reason >= 0:
+            self.wait_began(t_mono_ns, step, wait_reason)
 
     def finish(
         self,
@@ -349,6 +574,11 @@ class RequestJourney:
         """The request ended. Returns the immutable record, or None if it already ended."""
         if self.state == FINISHED:
             return None
+        if self.segment and self.state == QUEUED:
+            # A session ended between segments: vLLM's count is still the last
+            # segment's (counted when it ended) or 0 (next input not yet run).
+            output_tokens = 0
+        output_tokens += self.outputs_before
         end_chunks = self.prefill_chunks if self.state == RUNNING and not self.decoding else 0
         journey = FinishedJourney(
             request_id=self.request_id,
@@ -368,6 +598,11 @@ class RequestJourney:
             lora_name=self.lora_name,
             trace_headers=dict(self.trace_headers) if self.trace_headers else None,
             head_sampled=self.head_sampled,
+            root_ids=self.root_ids,
+            session=self.session,
+            spec_decode=self.spec_decode,
+            drafts_proposed=self.drafts_proposed,
+            drafts_accepted=self.drafts_accepted,
         )
         self.state = FINISHED
         self.events = []

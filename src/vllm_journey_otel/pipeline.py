@@ -19,7 +19,7 @@ import time
 from collections import deque
 
 from .config import logger
-from .journey import FinishedJourney
+from .journey import Record
 from .sinks import Sink
 
 _DROP_LOG_PERIOD_S = 60.0
@@ -38,7 +38,7 @@ class JourneyPipeline:
         start_thread: bool = True,
     ) -> None:
         self.sink = sink
-        self._queue: deque[FinishedJourney] = deque()
+        self._queue: deque[Record] = deque()
         self._max_queue = max_queue
         self._interval_s = interval_s
         self._drain_lock = threading.Lock()
@@ -58,7 +58,7 @@ class JourneyPipeline:
             self._thread.start()
 
     # -- engine thread -----------------------------------------------------
-    def submit(self, journey: FinishedJourney) -> None:
+    def submit(self, journey: Record) -> None:
         """Queue a finished journey (engine thread). O(1), never blocks, never raises."""
         if len(self._queue) >= self._max_queue:
             self.dropped += 1
@@ -81,7 +81,7 @@ class JourneyPipeline:
         if not queue or (not force and now_ns - self._last_publish_ns < PUBLISH_INTERVAL_NS):
             return
         self._last_publish_ns = now_ns
-        batch: list[FinishedJourney] = []
+        batch: list[Record] = []
         try:
             while True:
                 batch.append(queue.popleft())

@@ -34,8 +34,14 @@ from opentelemetry.util.types import AttributeValue
 from . import schema as S
 from .config import logger
 from .health import ExportHealth, HealthExporter
+from .spans import PresetIdGenerator
 
 TRACES_EXPORTER = "OTEL_TRACES_EXPORTER"
+LINK_COUNT_LIMIT = "OTEL_SPAN_LINK_COUNT_LIMIT"
+# A vllm.step span links every traced journey of its batch: the SDK's default
+# limit (128 links) is below vLLM's usual max_num_seqs, so ours is this, unless
+# the user set OTEL_SPAN_LINK_COUNT_LIMIT. Journey spans carry at most one link.
+MAX_LINKS = 16384
 SDK_DISABLED = "OTEL_SDK_DISABLED"
 
 
@@ -87,13 +93,19 @@ _LENGTH_VARIABLES = ("OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", "OTEL_ATTRIBUTE_V
 
 
 def span_limits(env: Mapping[str, str] | None = None) -> SpanLimits:
-    """The SDK's limits from OTEL_*_LIMIT variables; value length 1024 unless set there.
-
-    The SDK's other defaults stay: 128 attributes, events and links per span.
+    """The SDK's limits from OTEL_*_LIMIT variables; unless set there, attribute
+    values are cut at 1024 characters and a span keeps up to MAX_LINKS links (a
+    vllm.step span links its whole batch). The SDK's other defaults stay (128
+    attributes and events per span).
     """
     env = os.environ if env is None else env
-    user_set = any(env.get(name, "").strip() for name in _LENGTH_VARIABLES)
-    return SpanLimits(max_attribute_length=None if user_set else DEFAULT_ATTRIBUTE_VALUE_LENGTH)
+    user_length = any(env.get(name, "").strip() for name in _LENGTH_VARIABLES)
+    user_links = bool(env.get(LINK_COUNT_LIMIT, "").strip())
+    # None: the SDK reads the user's OTEL_* limit (or its own default).
+    return SpanLimits(
+        max_attribute_length=None if user_length else DEFAULT_ATTRIBUTE_VALUE_LENGTH,
+        max_links=None if user_links else MAX_LINKS,
+    )
 
 
 def make_tracer_provider(
@@ -108,9 +120,12 @@ def make_tracer_provider(
     With ``health``, every exporter is wrapped to count exported and failed spans.
     """
     # Sampling was decided per request in the engine (sampling.py): build all.
+    # PresetIdGenerator: a journey's root gets ids chosen in the engine when other
+    # spans link to it (the span that a preemption's cause is, for instance).
     provider = TracerProvider(
         resource=make_resource(resource_attributes),
         sampler=ALWAYS_ON,
+        id_generator=PresetIdGenerator(),
         span_limits=span_limits(),
     )
     if exporters is None:

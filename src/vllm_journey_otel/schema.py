@@ -22,6 +22,10 @@ SPAN_SCHEDULED: Final = "vllm.scheduled"
 SPAN_PREFILL: Final = "vllm.prefill"
 SPAN_DECODE: Final = "vllm.decode"
 SPAN_PREEMPTED: Final = "vllm.preempted"
+# A wait for something specific inside vllm.queued or vllm.preempted.
+SPAN_WAIT: Final = "vllm.wait"
+# The opt-in step view: one scheduler step, its own trace.
+SPAN_STEP: Final = "vllm.step"
 
 SPAN_NAMES: Final = (
     SPAN_REQUEST,
@@ -30,6 +34,8 @@ SPAN_NAMES: Final = (
     SPAN_PREFILL,
     SPAN_DECODE,
     SPAN_PREEMPTED,
+    SPAN_WAIT,
+    SPAN_STEP,
 )
 
 # Instrumentation scope of every span we emit.
@@ -58,6 +64,26 @@ CACHED_TOKENS: Final = "vllm.journey.cached_tokens"
 KV_CACHE_USAGE: Final = "vllm.journey.kv_cache_usage"
 NUM_RUNNING: Final = "vllm.journey.num_running_reqs"
 NUM_WAITING: Final = "vllm.journey.num_waiting_reqs"
+PREEMPTED_BY: Final = "vllm.journey.preempted_by"
+
+# Streaming-input sessions: vllm.queued and vllm.scheduled (segment), root (count)
+SEGMENT: Final = "vllm.journey.segment"
+NUM_SEGMENTS: Final = "vllm.journey.num_segments"
+
+# vllm.wait only
+WAIT_REASON: Final = "vllm.journey.wait_reason"
+
+# vllm.step only (also SCHEDULER_STEP, KV_CACHE_USAGE, NUM_RUNNING, NUM_WAITING)
+STEP_BATCH_SIZE: Final = "vllm.step.batch_size"
+STEP_PREFILL_TOKENS: Final = "vllm.step.prefill_tokens"
+STEP_DECODE_TOKENS: Final = "vllm.step.decode_tokens"
+STEP_NUM_PREEMPTIONS: Final = "vllm.step.num_preemptions"
+STEP_SCHEDULE_MS: Final = "vllm.step.schedule_ms"
+
+# Speculative decoding (vllm.decode: that span's verify steps; root: the request's)
+SPEC_DRAFTS_PROPOSED: Final = "vllm.journey.spec.drafts_proposed"
+SPEC_DRAFTS_ACCEPTED: Final = "vllm.journey.spec.drafts_accepted"
+SPEC_ACCEPTANCE_RATE: Final = "vllm.journey.spec.acceptance_rate"
 
 # ---------------------------------------------------------------------------
 # Root (vllm.request) attributes
@@ -99,9 +125,18 @@ DEFAULT_SERVICE_NAME: Final = "vllm"
 # ---------------------------------------------------------------------------
 SCHEDULE_FIRST: Final = "FIRST"
 SCHEDULE_RESUME: Final = "RESUME"
+# Streaming input: the first cycle of the session's next input segment.
+SCHEDULE_NEXT_INPUT: Final = "NEXT_INPUT"
 
 PHASE_PREFILL: Final = "PREFILL"
 PHASE_DECODE: Final = "DECODE"
+
+# Wait reasons (vllm.wait); the journey records their index in this tuple.
+WAIT_LORA_SLOT: Final = "lora_slot"
+WAIT_GRAMMAR: Final = "structured_output_grammar"
+WAIT_REMOTE_KV: Final = "remote_kv"
+WAIT_STREAMING_INPUT: Final = "streaming_input"
+WAIT_REASONS: Final = (WAIT_LORA_SLOT, WAIT_GRAMMAR, WAIT_REMOTE_KV, WAIT_STREAMING_INPUT)
 
 SAMPLED_HEAD: Final = "head"
 SAMPLED_TAIL: Final = "tail"
@@ -148,7 +183,9 @@ ATTRIBUTES: Final[tuple[AttributeSpec, ...]] = (
     AttributeSpec(GEN_AI_FINISH_REASONS, (SPAN_REQUEST,), "string[]", "OpenAI finish reason"),
     AttributeSpec(FINISH_STATUS, (SPAN_REQUEST,), "string", "stopped|length|aborted|ignored|error"),
     AttributeSpec(PRIORITY, (SPAN_REQUEST,), "int", "scheduling priority, when not 0"),
-    AttributeSpec(LORA_NAME, (SPAN_REQUEST,), "string", "LoRA adapter name, when set"),
+    AttributeSpec(
+        LORA_NAME, (SPAN_REQUEST, SPAN_SCHEDULED), "string", "LoRA adapter name, when set"
+    ),
     AttributeSpec(QUEUED_MS, (SPAN_REQUEST,), "double", "admission to first schedule"),
     AttributeSpec(TTFT_MS, (SPAN_REQUEST,), "double", "arrival to first token"),
     AttributeSpec(PREFILL_MS, (SPAN_REQUEST,), "double", "first schedule to first token"),
@@ -188,14 +225,44 @@ ATTRIBUTES: Final[tuple[AttributeSpec, ...]] = (
     AttributeSpec(DECODE_DONE_TOKENS, _BELOW_ROOT, "int", "tokens generated so far"),
     AttributeSpec(DECODE_MAX_TOKENS, _BELOW_ROOT, "int", "max_tokens"),
     AttributeSpec(PHASE, _BELOW_ROOT, "string", "PREFILL|DECODE"),
-    AttributeSpec(SCHEDULER_STEP, _BELOW_ROOT, "int", "plugin's scheduler step counter"),
-    AttributeSpec(SCHEDULE_KIND, (SPAN_SCHEDULED,), "string", "FIRST|RESUME"),
+    AttributeSpec(
+        SCHEDULER_STEP, (*_BELOW_ROOT, SPAN_STEP), "int", "plugin's scheduler step counter"
+    ),
+    AttributeSpec(SCHEDULE_KIND, (SPAN_SCHEDULED,), "string", "FIRST|RESUME|NEXT_INPUT"),
     AttributeSpec(CYCLE, (SPAN_SCHEDULED,), "int", "0, 1, ... per running cycle"),
     AttributeSpec(PREFILL_CHUNKS, (SPAN_PREFILL,), "int", "scheduler steps carrying prefill"),
     AttributeSpec(CACHED_TOKENS, (SPAN_PREFILL,), "int", "tokens already computed at cycle start"),
-    AttributeSpec(KV_CACHE_USAGE, (SPAN_PREEMPTED,), "double", "KV-cache usage 0..1 at preemption"),
-    AttributeSpec(NUM_RUNNING, (SPAN_PREEMPTED,), "int", "running queue length at preemption"),
-    AttributeSpec(NUM_WAITING, (SPAN_PREEMPTED,), "int", "waiting queue length at preemption"),
+    AttributeSpec(
+        KV_CACHE_USAGE, (SPAN_PREEMPTED, SPAN_STEP), "double", "KV-cache usage 0..1 at the moment"
+    ),
+    AttributeSpec(
+        NUM_RUNNING, (SPAN_PREEMPTED, SPAN_STEP), "int", "running queue length at the moment"
+    ),
+    AttributeSpec(
+        NUM_WAITING, (SPAN_PREEMPTED, SPAN_STEP), "int", "waiting queue length at the moment"
+    ),
+    AttributeSpec(
+        PREEMPTED_BY, (SPAN_PREEMPTED,), "string", "request whose KV allocation forced it"
+    ),
+    AttributeSpec(WAIT_REASON, (SPAN_WAIT,), "string", "what the request waited for"),
+    AttributeSpec(
+        SEGMENT, (SPAN_QUEUED, SPAN_SCHEDULED), "int", "streaming input: the input segment"
+    ),
+    AttributeSpec(NUM_SEGMENTS, (SPAN_REQUEST,), "int", "streaming input: input segments"),
+    AttributeSpec(STEP_BATCH_SIZE, (SPAN_STEP,), "int", "requests scheduled in the step"),
+    AttributeSpec(STEP_PREFILL_TOKENS, (SPAN_STEP,), "int", "scheduled prompt/recompute tokens"),
+    AttributeSpec(STEP_DECODE_TOKENS, (SPAN_STEP,), "int", "scheduled decode tokens"),
+    AttributeSpec(STEP_NUM_PREEMPTIONS, (SPAN_STEP,), "int", "preemptions in the step"),
+    AttributeSpec(STEP_SCHEDULE_MS, (SPAN_STEP,), "double", "time in schedule()"),
+    AttributeSpec(
+        SPEC_DRAFTS_PROPOSED, (SPAN_REQUEST, SPAN_DECODE), "int", "draft tokens proposed"
+    ),
+    AttributeSpec(
+        SPEC_DRAFTS_ACCEPTED, (SPAN_REQUEST, SPAN_DECODE), "int", "draft tokens accepted"
+    ),
+    AttributeSpec(
+        SPEC_ACCEPTANCE_RATE, (SPAN_REQUEST, SPAN_DECODE), "double", "accepted / proposed"
+    ),
 )
 
 RESOURCE_ATTRIBUTES: Final = (

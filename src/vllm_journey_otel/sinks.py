@@ -14,8 +14,9 @@
   it exits on end-of-file after exporting everything it received.
 
 Wire format (stdin of the exporter): frames of a 4-byte little-endian length and
-a msgpack-encoded :class:`Frame` (the journeys, and how many the engine core has
-dropped so far, for the tracer-health attributes).
+a msgpack-encoded :class:`Frame`: the records (finished journeys and
+sampled engine steps), and how many journeys the engine core has dropped so
+far, for the tracer-health attributes.
 
 Threading: ``consume`` is called by the pipeline's drain thread only.
 """
@@ -36,14 +37,17 @@ from collections.abc import Mapping, Sequence
 from typing import IO, Any, Protocol
 
 import msgspec
+from opentelemetry import context as otel_context
 from opentelemetry.sdk.trace import TracerProvider
 
 from . import schema as S
 from .clock import ClockAnchor
 from .config import logger
 from .health import ExportHealth
-from .journey import FinishedJourney
-from .spans import ROOT, emit_spans, plan_spans, root_context
+from .journey import Record, StepRecord
+from .spans import ROOT, PresetIdGenerator, emit_spans, plan_spans, plan_step, root_context
+
+NO_PARENT = otel_context.Context()
 
 FRAME_HEADER = struct.Struct("<I")
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # Linux
@@ -54,7 +58,7 @@ MAX_FRAME_BYTES = 256 * 1024 * 1024
 class Frame(msgspec.Struct, array_like=True):
     """One message on the exporter pipe."""
 
-    journeys: list[FinishedJourney]
+    journeys: list[Record]  # finished journeys and sampled engine steps
     # Journeys the engine core dropped so far (full queue, exporter gone).
     engine_dropped: int = 0
 
@@ -70,14 +74,14 @@ class Sink(Protocol):
     ends up on the roots as the tracer-health attribute.
     """
 
-    def offer(self, batch: Sequence[FinishedJourney], engine_dropped: int = 0) -> bool:
+    def offer(self, batch: Sequence[Record], engine_dropped: int = 0) -> bool:
         """Engine thread: take the batch now if that cannot block; False = queue it."""
 
     @property
     def pending(self) -> bool:
         """Whether bytes taken by ``offer`` still wait for the drain thread."""
 
-    def consume(self, batch: Sequence[FinishedJourney], engine_dropped: int = 0) -> int:
+    def consume(self, batch: Sequence[Record], engine_dropped: int = 0) -> int:
         """Handle a batch; returns how many journeys failed."""
 
     def flush(self, timeout_s: float) -> bool:
@@ -101,27 +105,33 @@ class SpanSink:
         self._clock = clock or ClockAnchor()
         self.health = health or ExportHealth()
         self.failed = 0
+        ids = getattr(provider, "id_generator", None)
+        self._ids = ids if isinstance(ids, PresetIdGenerator) else None
 
-    def offer(self, batch: Sequence[FinishedJourney], engine_dropped: int = 0) -> bool:
+    def offer(self, batch: Sequence[Record], engine_dropped: int = 0) -> bool:
         return False  # building spans is not for the engine thread: always queue
 
     @property
     def pending(self) -> bool:
         return False
 
-    def consume(self, batch: Sequence[FinishedJourney], engine_dropped: int = 0) -> int:
+    def consume(self, batch: Sequence[Record], engine_dropped: int = 0) -> int:
         failed = 0
         health = self.health
-        health.journeys += len(batch)
         health.engine_dropped = max(health.engine_dropped, engine_dropped)
         for journey in batch:
             try:
                 anchor = self._clock.anchor
+                if isinstance(journey, StepRecord):
+                    emit_spans([plan_step(journey, anchor.offset_ns)], self._tracer, NO_PARENT)
+                    health.spans_built += 1
+                    continue
+                health.journeys += 1
                 plan = plan_spans(journey, anchor.offset_ns, anchor.uncertainty_ns)
                 root = plan[ROOT].attributes
                 root[S.TRACER_DROPPED_JOURNEYS] = health.engine_dropped
                 root[S.TRACER_LOST_SPANS] = health.lost_spans
-                emit_spans(plan, self._tracer, *root_context(journey))
+                emit_spans(plan, self._tracer, *root_context(journey), ids=self._ids)
                 health.spans_built += len(plan)
             except Exception:
                 failed += 1
@@ -227,7 +237,7 @@ class PipeSink:
         return cls(write_fd, pid)
 
     @staticmethod
-    def _frame(batch: Sequence[FinishedJourney], engine_dropped: int) -> bytes:
+    def _frame(batch: Sequence[Record], engine_dropped: int) -> bytes:
         payload = ENCODER.encode(Frame(list(batch), engine_dropped))
         return FRAME_HEADER.pack(len(payload)) + payload
 
@@ -243,7 +253,7 @@ class PipeSink:
     def pending(self) -> bool:
         return bool(self._pending)
 
-    def offer(self, batch: Sequence[FinishedJourney], engine_dropped: int = 0) -> bool:
+    def offer(self, batch: Sequence[Record], engine_dropped: int = 0) -> bool:
         if self.broken or not batch or not self._lock.acquire(blocking=False):
             return False
         try:
@@ -278,7 +288,7 @@ class PipeSink:
             view = view[n:]
         return True
 
-    def consume(self, batch: Sequence[FinishedJourney], engine_dropped: int = 0) -> int:
+    def consume(self, batch: Sequence[Record], engine_dropped: int = 0) -> int:
         if self.broken:
             return len(batch)
         with self._lock:

@@ -23,12 +23,25 @@ from dataclasses import dataclass, field
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
 from . import schema as S
-from .journey import FinishedJourney, FirstToken, Preempted, Scheduled, Snapshot
+from .journey import (
+    FinishedJourney,
+    FirstToken,
+    LinkTarget,
+    Preempted,
+    RootIds,
+    Scheduled,
+    SegmentEnded,
+    Snapshot,
+    StepRecord,
+    WaitBegan,
+    WaitEnded,
+)
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _NS_PER_MS = 1e6
@@ -48,6 +61,29 @@ class PlannedSpan:
     attributes: dict[str, AttributeValue] = field(default_factory=dict)
     kind: SpanKind = SpanKind.INTERNAL
     error: bool = False
+    links: list[trace.Link] = field(default_factory=list)
+    # Root only: ids chosen in advance because other spans link to this root.
+    ids: RootIds | None = None
+
+
+def trace_id_of(ids: RootIds) -> int:
+    return (ids.trace_hi << 64) | ids.trace_lo
+
+
+def link_to(target: LinkTarget) -> trace.Link:
+    """A link to another journey's root (head-sampled: in its client's trace, if any)."""
+    client = trace.get_current_span(parent_context(target.trace_headers)).get_span_context()
+    ids = target.ids
+    trace_id = client.trace_id if client.is_valid else trace_id_of(ids)
+    ctx = SpanContext(trace_id, ids.span_id, False, TraceFlags(TraceFlags.SAMPLED))
+    return trace.Link(ctx, {S.REQUEST_ID: target.request_id})
+
+
+def _drafts(attrs: dict[str, AttributeValue], proposed: int, accepted: int) -> None:
+    attrs[S.SPEC_DRAFTS_PROPOSED] = proposed
+    attrs[S.SPEC_DRAFTS_ACCEPTED] = accepted
+    if proposed > 0:  # no drafts: the rate is unobserved, not 0
+        attrs[S.SPEC_ACCEPTANCE_RATE] = accepted / proposed
 
 
 def _progress(s: Snapshot, j: FinishedJourney) -> dict[str, AttributeValue]:
@@ -86,9 +122,12 @@ def plan_spans(j: FinishedJourney, offset_ns: int, uncertainty_ns: int = 0) -> l
         root_start = min(root_start, int(j.arrival_time_s * 1e9))
     root_end = max(end_u, root_start)
 
-    def at(s: Snapshot) -> int:
-        u = s.t_mono_ns + offset_ns
+    def at_mono(t_mono_ns: int) -> int:
+        u = t_mono_ns + offset_ns
         return root_start if u < root_start else root_end if u > root_end else u
+
+    def at(s: Snapshot) -> int:
+        return at_mono(s.t_mono_ns)
 
     plan: list[PlannedSpan] = []
     root = PlannedSpan(S.SPAN_REQUEST, root_start, root_end, None, kind=SpanKind.SERVER)
@@ -104,6 +143,28 @@ def plan_spans(j: FinishedJourney, offset_ns: int, uncertainty_ns: int = 0) -> l
     cycle_idx: int | None = None  # plan index of the open vllm.scheduled span
     phase_idx: int | None = None  # plan index of the open prefill/decode span
     preempt_idx: int | None = None  # plan index of the open vllm.preempted span
+    # The open queue span (vllm.queued, then each vllm.preempted) and its open wait.
+    queue_idx: int | None = 1
+    wait_idx: int | None = None
+    # Draft totals when the open decode span started.
+    decode_drafts = (0, 0)
+    # Streaming-input sessions: the current input segment.
+    segment = 0
+    if j.session:
+        plan[1].attributes[S.SEGMENT] = 0
+
+    def end_wait(u: int) -> None:
+        nonlocal wait_idx
+        if wait_idx is not None:
+            span = plan[wait_idx]
+            span.end_unix_ns = max(span.start_unix_ns, u)
+            wait_idx = None
+
+    def close_decode(s: Snapshot, proposed: int, accepted: int) -> None:
+        extra: dict[str, AttributeValue] = {}
+        if j.spec_decode:
+            _drafts(extra, proposed - decode_drafts[0], accepted - decode_drafts[1])
+        close(phase_idx, s, extra)
 
     def close(idx: int | None, s: Snapshot, extra: dict[str, AttributeValue] | None = None) -> None:
         if idx is None:
@@ -115,8 +176,26 @@ def plan_spans(j: FinishedJourney, offset_ns: int, uncertainty_ns: int = 0) -> l
             span.attributes.update(extra)
 
     for ev in j.events:
+        if isinstance(ev, WaitBegan | WaitEnded):
+            u = at_mono(ev.t_mono_ns)
+            end_wait(u)
+            if isinstance(ev, WaitBegan) and queue_idx is not None:
+                reason = S.WAIT_REASONS[ev.reason]
+                plan.append(PlannedSpan(S.SPAN_WAIT, u, u, queue_idx, {S.WAIT_REASON: reason}))
+                wait_idx = len(plan) - 1
+            continue
         t = at(ev.at)
         if isinstance(ev, Scheduled):
+            end_wait(t)
+            queue_idx = None
+            # A resume; the first cycle; or the first cycle of a session's next input.
+            kind = (
+                S.SCHEDULE_RESUME
+                if ev.resume
+                else S.SCHEDULE_NEXT_INPUT
+                if cycle >= 0
+                else S.SCHEDULE_FIRST
+            )
             close(preempt_idx, ev.at)
             preempt_idx = None
             cycle += 1
@@ -126,13 +205,14 @@ def plan_spans(j: FinishedJourney, offset_ns: int, uncertainty_ns: int = 0) -> l
                     t,
                     t,
                     ROOT,
-                    {
-                        S.SCHEDULE_KIND: S.SCHEDULE_RESUME if ev.resume else S.SCHEDULE_FIRST,
-                        S.CYCLE: cycle,
-                    },
+                    {S.SCHEDULE_KIND: kind, S.CYCLE: cycle},
                 )
             )
             cycle_idx = len(plan) - 1
+            if j.session:
+                plan[cycle_idx].attributes[S.SEGMENT] = segment
+            if j.lora_name:
+                plan[cycle_idx].attributes[S.LORA_NAME] = j.lora_name
             plan.append(
                 PlannedSpan(S.SPAN_PREFILL, t, t, cycle_idx, {S.CACHED_TOKENS: ev.cached_tokens})
             )
@@ -143,41 +223,81 @@ def plan_spans(j: FinishedJourney, offset_ns: int, uncertainty_ns: int = 0) -> l
             close(phase_idx, ev.at, {S.PREFILL_CHUNKS: ev.prefill_chunks})
             plan.append(PlannedSpan(S.SPAN_DECODE, t, t, cycle_idx))
             phase_idx = len(plan) - 1
+            decode_drafts = (ev.drafts_proposed, ev.drafts_accepted)
+        elif isinstance(ev, SegmentEnded):
+            if cycle_idx is None:
+                continue
+            if phase_idx is not None and plan[phase_idx].name == S.SPAN_PREFILL:
+                close(phase_idx, ev.at, {S.PREFILL_CHUNKS: ev.prefill_chunks})
+            else:
+                close_decode(ev.at, ev.drafts_proposed, ev.drafts_accepted)
+            close(cycle_idx, ev.at)
+            cycle_idx = phase_idx = None
+            # Back in the queue for the next input segment.
+            segment += 1
+            plan.append(PlannedSpan(S.SPAN_QUEUED, t, t, ROOT, {S.SEGMENT: segment}))
+            preempt_idx = queue_idx = len(plan) - 1
         elif isinstance(ev, Preempted):
             if cycle_idx is None:
                 continue
             if phase_idx is not None and plan[phase_idx].name == S.SPAN_PREFILL:
                 close(phase_idx, ev.at, {S.PREFILL_CHUNKS: ev.prefill_chunks})
             else:
-                close(phase_idx, ev.at)
+                close_decode(ev.at, ev.drafts_proposed, ev.drafts_accepted)
             close(cycle_idx, ev.at)
             cycle_idx = phase_idx = None
             observed = (
                 (S.KV_CACHE_USAGE, ev.kv_cache_usage),
                 (S.NUM_RUNNING, ev.num_running),
                 (S.NUM_WAITING, ev.num_waiting),
+                (S.PREEMPTED_BY, ev.cause_id),
             )
             plan.append(
                 PlannedSpan(
-                    S.SPAN_PREEMPTED, t, t, ROOT, {k: v for k, v in observed if v is not None}
+                    S.SPAN_PREEMPTED,
+                    t,
+                    t,
+                    ROOT,
+                    {k: v for k, v in observed if v is not None},
+                    links=[link_to(ev.cause_link)] if ev.cause_link is not None else [],
                 )
             )
-            preempt_idx = len(plan) - 1
+            preempt_idx = queue_idx = len(plan) - 1
 
     # The end closes whatever is open.
+    end_wait(at(j.end))
     if phase_idx is not None and plan[phase_idx].name == S.SPAN_PREFILL:
         close(phase_idx, j.end, {S.PREFILL_CHUNKS: j.end_prefill_chunks})
     else:
-        close(phase_idx, j.end)
+        close_decode(j.end, j.drafts_proposed, j.drafts_accepted)
     close(cycle_idx, j.end)
     close(preempt_idx, j.end)
 
     root.attributes = _root_attributes(j, first_sched, root_start, offset_ns, uncertainty_ns)
     root.error = j.status == _STATUS_ERROR
+    root.ids = j.root_ids
     return plan
 
 
 _STATUS_ERROR = S.FINISH_STATUSES.index(S.FINISH_ERROR)
+
+
+def plan_step(rec: StepRecord, offset_ns: int) -> PlannedSpan:
+    """The vllm.step span of a sampled scheduler step (its own trace), in epoch ns."""
+    start = rec.start_mono_ns + offset_ns
+    end = max(start, rec.end_mono_ns + offset_ns)
+    attrs: dict[str, AttributeValue] = {
+        S.SCHEDULER_STEP: rec.step,
+        S.STEP_BATCH_SIZE: rec.batch_size,
+        S.STEP_PREFILL_TOKENS: rec.prefill_tokens,
+        S.STEP_DECODE_TOKENS: rec.decode_tokens,
+        S.STEP_NUM_PREEMPTIONS: rec.num_preemptions,
+        S.STEP_SCHEDULE_MS: max(0.0, (rec.scheduled_mono_ns - rec.start_mono_ns) / _NS_PER_MS),
+        S.KV_CACHE_USAGE: rec.kv_cache_usage,
+        S.NUM_RUNNING: rec.num_running,
+        S.NUM_WAITING: rec.num_waiting,
+    }
+    return PlannedSpan(S.SPAN_STEP, start, end, None, attrs, links=[link_to(t) for t in rec.links])
 
 
 def _root_attributes(
@@ -204,6 +324,12 @@ def _root_attributes(
         attrs[S.PRIORITY] = j.priority
     if j.lora_name:
         attrs[S.LORA_NAME] = j.lora_name
+    if j.spec_decode:
+        _drafts(attrs, j.drafts_proposed, j.drafts_accepted)
+    if j.session:
+        # Segments that ran: the first, and each next input that was scheduled.
+        ran = sum(isinstance(e, Scheduled) and not e.resume for e in j.events)
+        attrs[S.NUM_SEGMENTS] = max(1, ran)
     sched_mono = first_sched.at.t_mono_ns if first_sched is not None else None
     if first_sched is not None:
         attrs[S.GEN_AI_CACHE_READ_TOKENS] = first_sched.cached_tokens
@@ -245,26 +371,68 @@ def root_context(j: FinishedJourney) -> tuple[otel_context.Context, list[trace.L
     return otel_context.Context(), links
 
 
+class PresetIdGenerator(RandomIdGenerator):
+    """Random ids, except for the next root whose ids were chosen in advance.
+
+    The provider's id generator; :func:`emit_spans` presets it just before it
+    starts such a root, on the one thread that builds spans.
+    """
+
+    def __init__(self) -> None:
+        self._trace_id = 0
+        self._span_id = 0
+
+    def preset(self, ids: RootIds | None) -> None:
+        if ids is None:
+            self._trace_id = self._span_id = 0
+        else:
+            self._trace_id, self._span_id = trace_id_of(ids), ids.span_id
+
+    def generate_span_id(self) -> int:
+        if self._span_id:
+            value, self._span_id = self._span_id, 0
+            return value
+        return super().generate_span_id()
+
+    def generate_trace_id(self) -> int:
+        if self._trace_id:
+            value, self._trace_id = self._trace_id, 0
+            return value
+        return super().generate_trace_id()
+
+
 def emit_spans(
     plan: Sequence[PlannedSpan],
     tracer: trace.Tracer,
     parent: otel_context.Context,
     links: Sequence[trace.Link] = (),
+    ids: PresetIdGenerator | None = None,
 ) -> None:
-    """Create and end every planned span with its explicit times."""
+    """Create and end every planned span with its explicit times.
+
+    ``ids``: the provider's id generator, to give a root its ids chosen in advance
+    (without it such a root gets random ids and links to it dangle).
+    """
     spans: list[trace.Span] = []
     for p in plan:
         ctx = parent if p.parent is None else trace.set_span_in_context(spans[p.parent])
+        preset = ids is not None and p.ids is not None
+        if preset:
+            assert ids is not None
+            ids.preset(p.ids)
         span = tracer.start_span(
             p.name,
             context=ctx,
             kind=p.kind,
             attributes=p.attributes,
-            links=links if p.parent is None else (),
+            links=[*links, *p.links] if p.parent is None else p.links,
             start_time=p.start_unix_ns,
             record_exception=False,
             set_status_on_exception=False,
         )
+        if preset:
+            assert ids is not None
+            ids.preset(None)
         if p.error:
             span.set_status(Status(StatusCode.ERROR, "request finished with an error"))
         spans.append(span)

@@ -1,4 +1,5 @@
-"""Summarise journeys from spans: per-phase latency, preemptions, statuses, tokens.
+"""Summarise journeys from spans: per-phase latency, preemptions, statuses, tokens,
+time in each waiting reason, speculative-decoding acceptance.
 
 Streaming: keeps one small record per journey (not its spans), so 100,000
 journeys fit in tens of MB. Pure: works on :class:`~vllm_journey_otel.tracefile.FileSpan`.
@@ -23,7 +24,7 @@ PHASES = (
 )
 PERCENTILES = (50, 90, 95, 99)
 # The only spans whose attributes the summary reads.
-SUMMARY_ATTRIBUTES = frozenset({S.SPAN_REQUEST})
+SUMMARY_ATTRIBUTES = frozenset({S.SPAN_REQUEST, S.SPAN_WAIT})
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -46,10 +47,20 @@ class _Journey(NamedTuple):
     input_tokens: int
     output_tokens: int
     cached_tokens: int
+    # Speculative decoding (None without it): drafts proposed, accepted, rate.
+    drafts: tuple[int, int, float | None] | None
 
 
 def _journey(span: FileSpan) -> _Journey:
     a = span.attributes
+    drafts = None
+    if S.SPEC_DRAFTS_PROPOSED in a:
+        rate = a.get(S.SPEC_ACCEPTANCE_RATE)
+        drafts = (
+            int(a[S.SPEC_DRAFTS_PROPOSED]),
+            int(a.get(S.SPEC_DRAFTS_ACCEPTED, 0)),
+            float(rate) if rate is not None else None,
+        )
     return _Journey(
         str(a.get(S.REQUEST_ID, "")),
         span.trace_id,
@@ -60,6 +71,7 @@ def _journey(span: FileSpan) -> _Journey:
         int(a.get(S.GEN_AI_INPUT_TOKENS, 0)),
         int(a.get(S.GEN_AI_OUTPUT_TOKENS, 0)),
         int(a.get(S.GEN_AI_CACHE_READ_TOKENS, 0)),
+        drafts,
     )
 
 
@@ -78,6 +90,12 @@ class Summary:
     output_tokens: int = 0
     cached_tokens: int = 0
     slowest: list[tuple[float, str, str, int]] = field(default_factory=list)
+    # vllm.wait durations by reason.
+    waits_ms: dict[str, list[float]] = field(default_factory=dict)
+    spec_requests: int = 0
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+    acceptance_rates: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         def stats(values: list[float]) -> dict[str, float] | None:
@@ -105,6 +123,22 @@ class Summary:
                 "output": self.output_tokens,
                 "cached_input": self.cached_tokens,
             },
+            "waits_ms": {reason: stats(v) for reason, v in sorted(self.waits_ms.items())},
+            "speculative_decoding": (
+                {
+                    "requests": self.spec_requests,
+                    "drafts_proposed": self.drafts_proposed,
+                    "drafts_accepted": self.drafts_accepted,
+                    "acceptance_rate": (
+                        round(self.drafts_accepted / self.drafts_proposed, 4)
+                        if self.drafts_proposed
+                        else None
+                    ),
+                    "acceptance_rate_per_request": stats(self.acceptance_rates),
+                }
+                if self.spec_requests
+                else None
+            ),
             "slowest": [
                 {"duration_ms": round(d, 3), "request_id": rid, "trace_id": tid, "preemptions": n}
                 for d, rid, tid, n in sorted(self.slowest, reverse=True)
@@ -121,6 +155,11 @@ def summarize(spans: Iterable[FileSpan], top: int = 10) -> Summary:
         summary.spans += 1
         if span.name == S.SPAN_REQUEST:
             roots[span.span_id] = _journey(span)
+        elif span.name == S.SPAN_WAIT:
+            reason = str(span.attributes.get(S.WAIT_REASON, "unknown"))
+            summary.waits_ms.setdefault(reason, []).append(
+                (span.end_unix_ns - span.start_unix_ns) / 1e6
+            )
         elif span.name == S.SPAN_PREEMPTED:
             lost_by_parent[span.parent_span_id] = (
                 lost_by_parent.get(span.parent_span_id, 0.0)
@@ -140,6 +179,12 @@ def summarize(spans: Iterable[FileSpan], top: int = 10) -> Summary:
         summary.input_tokens += j.input_tokens
         summary.output_tokens += j.output_tokens
         summary.cached_tokens += j.cached_tokens
+        if j.drafts is not None:
+            summary.spec_requests += 1
+            summary.drafts_proposed += j.drafts[0]
+            summary.drafts_accepted += j.drafts[1]
+            if j.drafts[2] is not None:  # nothing proposed: no rate, not 0
+                summary.acceptance_rates.append(j.drafts[2])
         item = (j.duration_ms, j.request_id, j.trace_id, j.preemptions)
         if len(slowest) < top:
             heapq.heappush(slowest, item)
@@ -159,12 +204,17 @@ def format_text(d: dict[str, Any]) -> str:
         + "".join(f"{'p' + str(q):>10}" for q in PERCENTILES)
         + f"{'max':>10}",
     ]
-    for name, stats in d["phases_ms"].items():
+    rows = list(d["phases_ms"].items())
+    # Waits inside the queue, one row per reason seen (e.g. "wait:lora_slot").
+    rows += [(f"wait:{reason}", stats) for reason, stats in d.get("waits_ms", {}).items()]
+    width = max(12, *(len(name) + 2 for name, _ in rows))
+    lines[3] = f"{'phase (ms)':<{width}}" + lines[3][12:]
+    for name, stats in rows:
         if stats is None:
-            lines.append(f"{name:<12}{0:>8}" + f"{'-':>10}" * (len(PERCENTILES) + 1))
+            lines.append(f"{name:<{width}}{0:>8}" + f"{'-':>10}" * (len(PERCENTILES) + 1))
             continue
         lines.append(
-            f"{name:<12}{stats['count']:>8}"
+            f"{name:<{width}}{stats['count']:>8}"
             + "".join(f"{stats['p' + str(q)]:>10.2f}" for q in PERCENTILES)
             + f"{stats['max']:>10.2f}"
         )
@@ -176,6 +226,16 @@ def format_text(d: dict[str, Any]) -> str:
         f"tokens: input {d['tokens']['input']} (cached {d['tokens']['cached_input']}), "
         f"output {d['tokens']['output']}",
     ]
+    spec = d.get("speculative_decoding")
+    if spec:
+        per = spec["acceptance_rate_per_request"]
+        rate = spec["acceptance_rate"]
+        lines.append(
+            f"speculative decoding: {spec['requests']} requests, drafts accepted "
+            f"{spec['drafts_accepted']} of {spec['drafts_proposed']}"
+            + (f" ({rate:.1%})" if rate is not None else "")
+            + (f"; per request: median {per['p50']:.1%}, max {per['max']:.1%}" if per else "")
+        )
     if d["slowest"]:
         lines += ["", "slowest requests:", f"  {'ms':>10}  {'preempt':>7}  trace_id  request_id"]
         for s in d["slowest"]:

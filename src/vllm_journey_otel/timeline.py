@@ -25,6 +25,8 @@ _PHASES = {
     S.SPAN_PREFILL: "prefill",
     S.SPAN_DECODE: "decode",
     S.SPAN_PREEMPTED: "preempted",
+    # Inside a queued or preempted span: drawn over it, thinner.
+    S.SPAN_WAIT: "wait",
 }
 _ROOT_KEYS = (
     S.REQUEST_ID,
@@ -59,7 +61,9 @@ def collect(
     keeps the phases of the drawn rows only.
     """
     heap: list[tuple[int, str, _Row]] = []  # (duration, root span id, row), min-heap
-    cycle_root: dict[str, str] = {}  # vllm.scheduled span id -> root span id
+    # vllm.scheduled / vllm.queued / vllm.preempted span id -> root span id (their
+    # children, phases and waits, are drawn on the root's row)
+    cycle_root: dict[str, str] = {}
     total = 0
     for s in read(frozenset({S.SPAN_REQUEST})):
         if s.name == S.SPAN_REQUEST:
@@ -73,7 +77,7 @@ def collect(
                 heapq.heappush(heap, item)
             elif item[0] > heap[0][0]:
                 heapq.heapreplace(heap, item)
-        elif s.name == S.SPAN_SCHEDULED:
+        elif s.name in (S.SPAN_SCHEDULED, S.SPAN_QUEUED, S.SPAN_PREEMPTED):
             cycle_root[s.span_id] = s.parent_span_id
     rows = {span_id: row for _, span_id, row in heap}
     if rows:
@@ -130,7 +134,7 @@ body{font:13px system-ui,sans-serif;margin:12px;color:#222}
 .track{position:relative;flex:1;overflow:hidden}
 .seg{position:absolute;top:2px;height:12px;min-width:1px}
 .queued{background:#c9c9c9}.prefill{background:#f0a030}.decode{background:#3a7bd5}
-.preempted{background:#d63333}
+.preempted{background:#d63333}.wait{background:#8e44ad;top:5px;height:6px;z-index:1}
 .aborted .lab{color:#b00}.hidden{display:none}
 #tip{position:fixed;pointer-events:none;background:#fff;border:1px solid #888;padding:6px;
  font:11px monospace;white-space:pre;display:none;z-index:9;box-shadow:0 2px 6px #0003}
@@ -146,7 +150,8 @@ body{font:13px system-ui,sans-serif;margin:12px;color:#222}
  <label>zoom <input type="range" id="zoom" min="1" max="50" value="1"></label>
  <label>offset <input type="range" id="pan" min="0" max="1000" value="0"></label>
  <span id="legend"><span class="queued"></span>queued<span class="prefill"></span>prefill
- <span class="decode"></span>decode<span class="preempted"></span>preempted</span>
+ <span class="decode"></span>decode<span class="preempted"></span>preempted
+ <span class="wait"></span>wait (grammar, LoRA slot, remote KV, next input)</span>
 </div>
 <div id="axis"><span id="a0"></span><span id="a1"></span></div>
 <div id="rows"></div><div id="tip"></div>
