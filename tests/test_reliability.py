@@ -242,6 +242,9 @@ def test_exporter_stalled_engine_side_drops_counted_and_carried(  # type: ignore
     out = tmp_path / "journeys.otlp.jsonl"
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp_json_file")
     monkeypatch.setenv("VLLM_JOURNEY_OTEL_FILE", str(out))
+    # Room for the whole pipe backlog in the exporter's span queue: this test is
+    # about the engine side (the exporter side is the outage test above).
+    monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "200000")
 
     def journey(rid: str) -> Any:
         t = time.monotonic_ns()
