@@ -556,6 +556,67 @@ def build() -> dict[str, Any]:
         10,
     )
 
+    # ------------------------------------------- waits and speculative decoding
+    b.row("Waiting inside the queue, and speculative decoding")
+    wait = f'span_name="{S.SPAN_WAIT}", {SEL}'
+    reason = label(S.WAIT_REASON)
+    b.add(
+        timeseries(
+            "Time waiting, by reason: p95",
+            f"p95 duration of `{S.SPAN_WAIT}` spans by `{S.WAIT_REASON}` "
+            f"({', '.join(S.WAIT_REASONS)}): the part of the queue that was not "
+            "waiting for a free slot but for a grammar, remote KV blocks, the next "
+            "input chunk or a LoRA slot.",
+            [
+                prom(
+                    f"histogram_quantile(0.95, sum by (le, {reason}) "
+                    f"({rate(DURATION_BUCKET, wait)}))",
+                    f"{{{{{reason}}}}}",
+                )
+            ],
+            "ms",
+        ),
+        8,
+        8,
+    )
+    b.add(
+        timeseries(
+            "Requests waiting, by reason",
+            f"Seconds spent in `{S.SPAN_WAIT}` per second, by `{S.WAIT_REASON}`: the "
+            "average number of requests waiting for that reason at any moment.",
+            [
+                prom(
+                    f"sum by ({reason}) ({rate(DURATION_SUM, wait)}) / 1000",
+                    f"{{{{{reason}}}}}",
+                )
+            ],
+            "none",
+            stack=True,
+        ),
+        8,
+        8,
+    )
+    b.add(
+        timeseries(
+            "Draft acceptance rate per request",
+            f"p10/p50/p90 of `{S.SPEC_ACCEPTANCE_RATE}` on `{S.SPAN_REQUEST}` "
+            f"(accepted / proposed draft tokens over the request; requests with "
+            f"`{S.SPEC_DRAFTS_PROPOSED}` > 0, kept traces). Empty without speculative "
+            "decoding.",
+            [
+                traceql_metrics(
+                    f'{{name="{S.SPAN_REQUEST}" && span.{S.SPEC_DRAFTS_PROPOSED} > 0'
+                    f" && {TQL_SEL}}} | "
+                    f"quantile_over_time(span.{S.SPEC_ACCEPTANCE_RATE}, .1, .5, .9)"
+                )
+            ],
+            "percentunit",
+            TEMPO,
+        ),
+        8,
+        8,
+    )
+
     # ------------------------------------------------------------ tracer health
     b.row("Tracer health")
     b.add(
