@@ -125,6 +125,8 @@ class _State:
         self.config = Config()
         self.support: Support | None = None
         self.vllm_version = ""
+        # OutputProcessor.add_request is wrapped: in-flight requests are known.
+        self.tracks_frontend = False
         # (class, name) -> (original, whether the class defined it or inherited it)
         self.originals: dict[tuple[type, str], tuple[Callable[..., Any], bool]] = {}
         self.status_map: dict[Any, tuple[int, str]] = {}
@@ -861,9 +863,15 @@ def _wrap_async_add_request(orig: Callable[..., Any]) -> Callable[..., Any]:
     return add_request
 
 
+# API-server side: the OutputProcessors seen, so that the shutdown grace can tell
+# whether any request is in flight (their ``request_states``).
+_OUTPUT_PROCESSORS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
 def _wrap_output_add_request(orig: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(orig)
     def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        _OUTPUT_PROCESSORS.add(self)
         headers = _TRACE_HEADERS.get()
         if headers is not None and getattr(request, "trace_headers", None) is None:
             try:
@@ -885,6 +893,13 @@ def _grace_for_engine_cores(manager: Any, timeout: float | None) -> None:
     """
     grace_s = _STATE.config.shutdown_grace_ms / 1000.0
     if grace_s <= 0 or (timeout is not None and timeout >= grace_s):
+        return
+    if _STATE.tracks_frontend and not any(
+        getattr(op, "request_states", True) for op in list(_OUTPUT_PROCESSORS)
+    ):
+        # Nothing in flight, nothing to save: vLLM's shutdown exactly as it is.
+        # (An idle engine core that exits by itself while the API server's output
+        # task still listens makes vLLM log a spurious EngineDeadError.)
         return
     procs = [p for p in getattr(manager, "processes", ()) if p.is_alive()]
     if not procs:
@@ -1020,6 +1035,7 @@ def install(
                     assert async_llm is not None and output_processor is not None
                     _patch(async_llm, "add_request", _wrap_async_add_request)
                     _patch(output_processor, "add_request", _wrap_output_add_request)
+                    _STATE.tracks_frontend = True
                 else:
                     logger.info(
                         "journey-otel: AsyncLLM.add_request not as expected; the client's "
@@ -1064,6 +1080,7 @@ def unwrap() -> None:
                 delattr(cls, name)
         _STATE.originals.clear()
         _STATE.installed = False
+        _STATE.tracks_frontend = False
         _STATE.enabled = False
 
 
