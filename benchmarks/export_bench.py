@@ -8,6 +8,7 @@ stage, and CPU seconds: the drain thread, the rest of this process (mostly the
 receiver) and the exporter process.
 
     .venv/bin/python benchmarks/export_bench.py [N] [OFFERED_PER_S] [--receiver parse|count]
+        [--exporters K]
 
 ``OFFERED_PER_S`` 0 (the default) offers as fast as the pipeline takes journeys
 without dropping any (the submit loop waits while the hand-off queue is half
@@ -20,6 +21,9 @@ for well over ten seconds to show that a rate is sustained.
 every request decoded into protobuf objects. ``--receiver count`` keeps the raw
 request bytes and decodes them after the run, so the receiver's own cost is as
 small as a Python gRPC server allows.
+
+``--exporters K`` starts K exporter processes fed frames in turn
+(VLLM_JOURNEY_OTEL_EXPORTER_PROCESSES).
 """
 
 from __future__ import annotations
@@ -173,6 +177,7 @@ def main() -> None:
     ap.add_argument("n", nargs="?", type=int, default=50_000)
     ap.add_argument("offered_per_s", nargs="?", type=float, default=0.0)
     ap.add_argument("--receiver", choices=("parse", "count"), default="parse")
+    ap.add_argument("--exporters", type=int, default=1)
     args = ap.parse_args()
     n, offered = args.n, args.offered_per_s
 
@@ -184,11 +189,11 @@ def main() -> None:
     os.environ["OTEL_TRACES_EXPORTER"] = "otlp"
     batch = journeys(n)
     expected_spans = sum(len(plan_spans(j, 0)) for j in batch)
-    sink = PipeSink.start({"service.name": "bench"})
-    assert sink.pid is not None
+    sink = PipeSink.start({"service.name": "bench"}, processes=args.exporters)
+    assert len(sink.pids) == args.exporters
     pipeline = JourneyPipeline(sink, max_queue=MAX_QUEUE, interval_s=0.05)
     assert pipeline._thread is not None and pipeline._thread.native_id is not None
-    exporter_cpu = CpuWatch(f"/proc/{sink.pid}/stat")
+    exporter_cpus = [CpuWatch(f"/proc/{pid}/stat") for pid in sink.pids]
     drain_cpu = CpuWatch(f"/proc/self/task/{pipeline._thread.native_id}/stat")
     self_cpu0 = time.process_time()
     wait: Callable[[int], None]
@@ -210,17 +215,20 @@ def main() -> None:
         if i % 100 == 99:
             wait(i)
             if i % 10_000 == 9_999:
-                exporter_cpu.sample()
+                for watch in exporter_cpus:
+                    watch.sample()
                 drain_cpu.sample()
     submit_s = time.perf_counter() - t0
     drain_cpu.sample()  # before shutdown ends the thread
     pipeline.shutdown(5)  # EOF: the exporter exports the rest and exits
 
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and alive(sink.pid):
-        exporter_cpu.sample()
+    while time.monotonic() < deadline and any(alive(pid) for pid in sink.pids):
+        for watch in exporter_cpus:
+            watch.sample()
         time.sleep(0.05)
-    exporter_exited = not alive(sink.pid)
+    exporters_exited = not any(alive(pid) for pid in sink.pids)
+    exporter_cpu = sum(watch.used for watch in exporter_cpus)
     time.sleep(0.2)  # the last answer is on its way to the exporter before it exits
     self_cpu = time.process_time() - self_cpu0
     receiver.settle()
@@ -232,6 +240,7 @@ def main() -> None:
                 "journeys": n,
                 "offered_per_s": offered or "as fast as taken, no drops",
                 "receiver": args.receiver,
+                "exporter_processes": args.exporters,
                 "submit_s": round(submit_s, 2),
                 "last_span_received_s": round(done_s, 2),
                 "journeys_per_s_end_to_end": round(n / done_s),
@@ -239,11 +248,11 @@ def main() -> None:
                 "spans_received": got,
                 "journeys_dropped_in_handoff": pipeline.dropped,
                 "journeys_failed_to_pipe": pipeline.failed,
-                "exporter_exited": exporter_exited,
+                "exporters_exited": exporters_exited,
                 "cpu_s_drain_thread": round(drain_cpu.used, 2),
                 "cpu_s_rest_of_this_process": round(self_cpu - drain_cpu.used, 2),
-                "cpu_s_exporter_process": round(exporter_cpu.used, 2),
-                "exporter_cpu_us_per_journey": round(exporter_cpu.used / n * 1e6),
+                "cpu_s_exporter_processes": round(exporter_cpu, 2),
+                "exporter_cpu_us_per_journey": round(exporter_cpu / n * 1e6),
             },
             indent=2,
         )

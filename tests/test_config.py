@@ -64,3 +64,13 @@ def test_good_numbers() -> None:
         }
     )
     assert (cfg.queue_size, cfg.export_interval_ms, cfg.shutdown_timeout_s) == (100, 20, 1.5)
+
+
+def test_exporter_processes() -> None:
+    assert config.from_env({config.ENABLE: "1"}).exporter_processes == 1
+    cfg = config.from_env({config.ENABLE: "1", config.EXPORTER_PROCESSES: "3"})
+    assert cfg.exporter_processes == 3
+    assert (
+        config.from_env({config.ENABLE: "1", config.EXPORTER_PROCESSES: "0"}).exporter_processes
+        == 1
+    )
