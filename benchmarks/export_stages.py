@@ -14,11 +14,14 @@ this process (the same code the exporter process runs, on the same journeys as
 * ``receiver_parse``: what a Python receiver pays to decode them again.
 
     .venv/bin/python benchmarks/export_stages.py [N] [ROUNDS]
+
+The cyclic GC is tuned as in the exporter process.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -35,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from export_bench import journeys
 
+from vllm_journey_otel.exporter_process import tune_gc
 from vllm_journey_otel.provider import make_tracer_provider
 from vllm_journey_otel.sinks import DECODER, EXPORTER_BSP_DEFAULTS, PipeSink
 from vllm_journey_otel.spans import emit_spans, plan_spans, root_context
@@ -61,6 +65,9 @@ def main() -> None:
         PipeSink._frame(journeys(n)[i : i + FRAME_JOURNEYS], 0)[4:]
         for i in range(0, n, FRAME_JOURNEYS)
     ]
+    for key, value in EXPORTER_BSP_DEFAULTS.items():  # as the exporter process has them
+        os.environ.setdefault(key, value)
+    tune_gc()  # as the exporter process does
     keep = Keep(keep=True)
     make_tracer_provider({"service.name": "bench"}, exporters=[keep], batch=False)
     times: dict[str, list[float]] = {}

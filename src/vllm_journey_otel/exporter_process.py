@@ -42,7 +42,7 @@ MIN_FINAL_FLUSH_S = 10.0
 GC_THRESHOLDS = (50_000, 20, 100)
 
 
-def _tune_gc() -> None:
+def tune_gc() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
@@ -85,7 +85,7 @@ def main(argv: list[str]) -> int:
     gate = SdkLogGate(health)
     gate.install()
     sink = SpanSink(make_tracer_provider(attributes, health=health), health=health)
-    _tune_gc()
+    tune_gc()
     try:
         for frame in read_frames(sys.stdin.buffer):
             sink.consume(frame.journeys, frame.engine_dropped)
