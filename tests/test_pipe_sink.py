@@ -1,5 +1,5 @@
-"""The engine side of the exporter pipes: frames in turn to several exporters, a
-full pipe skipped, a partial frame finished on its own pipe, a gone exporter left
+"""The engine side of the exporter pipes: frames spread over several exporters by
+bytes sent, a full pipe skipped, a partial frame finished on its own pipe, a gone exporter left
 out; and two real exporter processes fed by one sink deliver every span."""
 
 from __future__ import annotations
@@ -56,14 +56,17 @@ def read_all(fd: int) -> list:  # type: ignore[type-arg]
         return list(read_frames(f))
 
 
-def test_frames_go_to_the_exporters_in_turn(pipes) -> None:  # type: ignore[no-untyped-def]
+def test_frames_go_to_the_exporter_sent_the_fewest_bytes(pipes) -> None:  # type: ignore[no-untyped-def]
     sink = PipeSink([w for _, w in pipes])
-    for k in range(4):
-        assert sink.offer(journeys(2, 2 * k))
+    assert sink.offer(journeys(2, 0))  # a tie: the first pipe
+    assert sink.offer(journeys(2, 2))
+    assert sink.offer(journeys(40, 100))  # a big frame (the drain thread's)...
+    for k in range(4):  # ...then the small ones go to the other exporter
+        assert sink.offer(journeys(2, 4 + 2 * k))
     sink.shutdown(1)
     first, second = (read_all(r) for r, _ in pipes)
-    assert ids(first) == ["req-0", "req-1", "req-4", "req-5"]
-    assert ids(second) == ["req-2", "req-3", "req-6", "req-7"]
+    assert ids(first) == ["req-0", "req-1"] + [f"req-{i}" for i in range(100, 140)]
+    assert ids(second) == [f"req-{i}" for i in (2, 3, *range(4, 12))]
 
 
 def test_a_full_pipe_is_skipped_and_all_full_declines(pipes) -> None:  # type: ignore[no-untyped-def]
@@ -147,7 +150,7 @@ def test_two_real_exporters_deliver_every_span(monkeypatch, capfd) -> None:  # t
         roots = [s for s in spans if s.name == S.SPAN_REQUEST]
         assert sorted(r.attrs[S.REQUEST_ID] for r in roots) == sorted(j.request_id for j in batch)
         assert len(spans) == expected
-        # Each exporter got every other frame, and says so when it exits.
+        # Each exporter got half the frames (equal sizes), and says so when it exits.
         psutil.wait_procs([psutil.Process(pid) for pid in sink.pids], timeout=30)
         assert capfd.readouterr().err.count("20 journeys received, 100 spans built") == 2
     finally:

@@ -166,9 +166,11 @@ class PipeSink:
     The write ends of the pipes are non-blocking. The engine thread ``offer``s the
     journeys a step finished: one msgspec encode and one ``os.write``, no thread
     hand-off (waking a thread costs the engine thread a GIL switch each time).
-    With several exporters, successive frames go to them in turn (one exporter
-    process builds and encodes ~3,000 journeys a second; docs/performance.md);
-    an offer tries the next pipe only when one is full. If every pipe is full, or
+    With several exporters (one exporter process builds and encodes ~3,000
+    journeys a second; docs/performance.md), each frame goes to the one that has
+    been sent the fewest bytes so far, the next one if that pipe is full: frames
+    differ in size (a 10 ms hand-off from the engine thread vs. a drain of the
+    queue), so plain turns would load one exporter with all the big ones. If every pipe is full, or
     the drain thread is writing, the offer is declined and the journeys take the
     queue; bytes an offer could only partly write are finished by the drain
     thread, which may block (the engine thread never does).
@@ -187,7 +189,7 @@ class PipeSink:
         self.failed = 0
         self.broken = not self._fds
         self._lock = threading.Lock()
-        self._next = 0
+        self._sent = dict.fromkeys(self._fds, 0)  # bytes written to each pipe
         # The rest of a frame whose start went to ``_pending_fd`` (-1: to none yet),
         # and how many journeys it holds.
         self._pending = b""
@@ -240,13 +242,11 @@ class PipeSink:
         return FRAME_HEADER.pack(len(payload)) + payload
 
     def _rotation(self) -> list[int]:
-        """The pipes in the order to try for the next frame (round robin)."""
+        """The pipes in the order to try for the next frame: least sent first."""
         fds = self._fds
         if len(fds) < 2:
             return list(fds)
-        k = self._next % len(fds)
-        self._next = k + 1
-        return fds[k:] + fds[:k]
+        return sorted(fds, key=self._sent.__getitem__)
 
     def _lost_exporter(self, fd: int) -> None:
         """The exporter behind ``fd`` is gone: stop writing to it."""
@@ -286,6 +286,7 @@ class PipeSink:
                 except OSError:
                     self._lost_exporter(fd)
                     continue
+                self._sent[fd] += n
                 if n < len(data):
                     self._pending, self._pending_fd = data[n:], fd
                     self._pending_journeys = len(batch)
@@ -322,6 +323,7 @@ class PipeSink:
                         self.failed += journeys
                         return True
                     continue
+                self._sent[target] += n
                 fd, view = target, view[n:]
                 break
             else:
