@@ -3,16 +3,19 @@
 Feeds N finished journeys (5 spans each, 9 for the one in 7 with a preemption)
 through the real pipeline (hand-off queue, drain thread, msgspec frames over a
 pipe, the detached exporter process, OTLP gRPC) into an OTLP receiver running in
-this process, and reports the rate at which the spans arrived, losses at every
+this process (after a warm-up: every exporter has exported a first batch), and
+reports the rate at which the spans arrived, losses at every
 stage, and CPU seconds: the drain thread, the rest of this process (mostly the
 receiver) and the exporter process.
 
     .venv/bin/python benchmarks/export_bench.py [N] [OFFERED_PER_S] [--receiver parse|count]
         [--exporters K]
 
+Journeys are submitted in steps of 100, each followed by the engine thread's
+hand-off (``publish_due``: a frame at most every 10 ms, when a pipe has room).
 ``OFFERED_PER_S`` 0 (the default) offers as fast as the pipeline takes journeys
-without dropping any (the submit loop waits while the hand-off queue is half
-full): the figure is the capacity of the pipeline. A positive rate offers at that
+without dropping any (the submit loop waits while more than 1,000 are queued):
+the figure is the capacity of the pipeline. A positive rate offers at that
 fixed rate and drops what the hand-off queue cannot hold, as the engine would:
 the queue (16,384) and the pipe (1 MiB) absorb a few seconds of excess, so offer
 for well over ten seconds to show that a rate is sustained.
@@ -52,6 +55,9 @@ from vllm_journey_otel.spans import plan_spans
 
 MS = 1_000_000
 MAX_QUEUE = 16384
+WARMUP = 100  # journeys per exporter before the timing starts
+# Lossless mode: the submit loop waits while more journeys than this are queued.
+LOSSLESS_BACKLOG = 1000
 
 
 def journeys(n: int) -> list[FinishedJourney]:
@@ -80,12 +86,14 @@ class ParsingReceiver(Receiver):
     def __init__(self) -> None:
         super().__init__()
         self.spans_received = 0
+        self.requests_seen = 0
         self.last_at = 0.0
 
     def add(self, req: trace_service_pb2.ExportTraceServiceRequest) -> None:
         n = count_spans(req)
         with self.lock:
             self.spans_received += n
+            self.requests_seen += 1
             self.last_at = time.perf_counter()
 
     def start(self) -> int:
@@ -102,12 +110,14 @@ class CountingReceiver:
         self.raw: list[bytes] = []
         self.lock = threading.Lock()
         self.spans_received = 0
+        self.requests_seen = 0
         self.last_at = 0.0
         self._server: grpc.Server | None = None
 
     def _export(self, request: bytes, context: Any) -> bytes:
         with self.lock:
             self.raw.append(request)
+            self.requests_seen += 1
             self.last_at = time.perf_counter()
         return b""  # an empty ExportTraceServiceResponse
 
@@ -187,10 +197,17 @@ def main() -> None:
     port = receiver.start()
     os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = f"http://127.0.0.1:{port}"
     os.environ["OTEL_TRACES_EXPORTER"] = "otlp"
+    warmup = journeys(WARMUP * args.exporters)
     batch = journeys(n)
-    expected_spans = sum(len(plan_spans(j, 0)) for j in batch)
+    expected_spans = sum(len(plan_spans(j, 0)) for j in warmup + batch)
     sink = PipeSink.start({"service.name": "bench"}, processes=args.exporters)
     assert len(sink.pids) == args.exporters
+    # Timing starts once every exporter has started up and exported a first batch.
+    for k in range(args.exporters):
+        sink.consume(warmup[k * WARMUP : (k + 1) * WARMUP])
+    deadline = time.monotonic() + 60
+    while receiver.requests_seen < args.exporters and time.monotonic() < deadline:
+        time.sleep(0.01)
     pipeline = JourneyPipeline(sink, max_queue=MAX_QUEUE, interval_s=0.05)
     assert pipeline._thread is not None and pipeline._thread.native_id is not None
     exporter_cpus = [CpuWatch(f"/proc/{pid}/stat") for pid in sink.pids]
@@ -206,13 +223,14 @@ def main() -> None:
     else:
 
         def wait(i: int) -> None:  # back-pressure instead of drops
-            while pipeline.queued > MAX_QUEUE // 2:
+            while pipeline.queued > LOSSLESS_BACKLOG:
                 time.sleep(0.005)
 
     t0 = time.perf_counter()
     for i, j in enumerate(batch):
         pipeline.submit(j)
-        if i % 100 == 99:
+        if i % 100 == 99:  # a scheduler step that finished 100 requests
+            pipeline.publish_due(time.monotonic_ns())
             wait(i)
             if i % 10_000 == 9_999:
                 for watch in exporter_cpus:
