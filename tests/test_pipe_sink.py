@@ -1,6 +1,7 @@
 """The engine side of the exporter pipes: frames spread over several exporters by
 bytes sent, a full pipe skipped, a partial frame finished on its own pipe, a gone exporter left
-out; and two real exporter processes fed by one sink deliver every span."""
+out; and two real exporter processes fed by one sink deliver every span. And the exporter's
+resource keeps its hash (the SDK's OTLP encoder hashes it once per span)."""
 
 from __future__ import annotations
 
@@ -155,3 +156,15 @@ def test_two_real_exporters_deliver_every_span(monkeypatch, capfd) -> None:  # t
         assert capfd.readouterr().err.count("20 journeys received, 100 spans built") == 2
     finally:
         receiver.stop()
+
+
+def test_resource_hash_is_kept_and_equal_to_the_sdks() -> None:
+    from opentelemetry.sdk.resources import Resource
+
+    from vllm_journey_otel.provider import make_resource
+
+    resource = make_resource({S.RES_MODEL: "m", S.RES_PID: 7})
+    plain = Resource(resource.attributes, resource.schema_url)
+    assert hash(resource) == hash(plain) == hash(resource)
+    assert resource == plain and {plain: 1}[resource] == 1
+    assert resource.attributes[S.RES_SERVICE_NAME] == S.DEFAULT_SERVICE_NAME
