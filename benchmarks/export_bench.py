@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -48,12 +49,24 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from otlp_receiver import Receiver
+from vllm_journey_otel import __version__
+from vllm_journey_otel import schema as S
 from vllm_journey_otel.journey import STATUS_LENGTH, FinishedJourney, RequestJourney
 from vllm_journey_otel.pipeline import JourneyPipeline
 from vllm_journey_otel.sinks import PipeSink
 from vllm_journey_otel.spans import plan_spans
 
 MS = 1_000_000
+# What the plugin puts on the resource in vLLM (hooks._resource_attributes).
+RESOURCE = {
+    S.RES_SERVICE_NAME: "bench",
+    S.RES_MODEL: "Qwen/Qwen2.5-0.5B-Instruct",
+    S.RES_DP_RANK: 0,
+    S.RES_VLLM_VERSION: "0.33.0",
+    S.RES_PLUGIN_VERSION: __version__,
+    S.RES_HOST: socket.gethostname(),
+    S.RES_PID: os.getpid(),
+}
 MAX_QUEUE = 16384
 WARMUP = 100  # journeys per exporter before the timing starts
 # Lossless mode: the submit loop waits while more journeys than this are queued.
@@ -200,7 +213,7 @@ def main() -> None:
     warmup = journeys(WARMUP * args.exporters)
     batch = journeys(n)
     expected_spans = sum(len(plan_spans(j, 0)) for j in warmup + batch)
-    sink = PipeSink.start({"service.name": "bench"}, processes=args.exporters)
+    sink = PipeSink.start(RESOURCE, processes=args.exporters)
     assert len(sink.pids) == args.exporters
     # Timing starts once every exporter has started up and exported a first batch.
     for k in range(args.exporters):

@@ -36,7 +36,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from export_bench import journeys
+from export_bench import RESOURCE, journeys
 
 from vllm_journey_otel.exporter_process import tune_gc
 from vllm_journey_otel.provider import make_tracer_provider
@@ -69,7 +69,7 @@ def main() -> None:
         os.environ.setdefault(key, value)
     tune_gc()  # as the exporter process does
     keep = Keep(keep=True)
-    make_tracer_provider({"service.name": "bench"}, exporters=[keep], batch=False)
+    make_tracer_provider(RESOURCE, exporters=[keep], batch=False)
     times: dict[str, list[float]] = {}
 
     def timed(stage: str, fn: Callable[[], Any]) -> Any:
@@ -86,13 +86,13 @@ def main() -> None:
             "plan",
             lambda: [(plan_spans(j, 0, 0), root_context(j)) for j in decoded],  # noqa: B023
         )
-        provider = make_tracer_provider({"service.name": "bench"}, exporters=[Keep(keep=False)])
+        provider = make_tracer_provider(RESOURCE, exporters=[Keep(keep=False)])
         tracer = provider.get_tracer("bench")
         timed("emit", lambda: [emit_spans(p, tracer, *ctx) for p, ctx in plans])  # noqa: B023
         provider.shutdown()
         # The same spans as ReadableSpans, built outside the timing.
         keep.spans.clear()
-        simple = make_tracer_provider({"service.name": "bench"}, exporters=[keep], batch=False)
+        simple = make_tracer_provider(RESOURCE, exporters=[keep], batch=False)
         simple_tracer = simple.get_tracer("bench")
         for p, ctx in plans:
             emit_spans(p, simple_tracer, *ctx)
