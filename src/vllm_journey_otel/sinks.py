@@ -4,7 +4,8 @@
   span plan, SDK tracer). Used inside the exporter process, and in the engine
   core itself in ``thread`` mode.
 * :class:`PipeSink` encodes the batch with msgspec and writes it to the stdin of a
-  separate exporter process (``python -m vllm_journey_otel.exporter_process``),
+  separate exporter process, or one of several
+  (``python -m vllm_journey_otel.exporter_process``),
   which owns the SDK. This keeps span building and OTLP encoding off the engine
   core's GIL, and the exporter outlives the engine core: vLLM's API server kills
   the engine-core process tree at once on SIGTERM (``--shutdown-timeout 0``, the
@@ -170,14 +171,14 @@ class PipeSink:
     The write ends of the pipes are non-blocking. The engine thread ``offer``s the
     journeys a step finished: one msgspec encode and one ``os.write``, no thread
     hand-off (waking a thread costs the engine thread a GIL switch each time).
-    With several exporters (one exporter process builds and encodes ~3,000
+    With several exporters (one exporter process builds and encodes ~3,500
     journeys a second; docs/performance.md), each frame goes to the one that has
     been sent the fewest bytes so far, the next one if that pipe is full: frames
     differ in size (a 10 ms hand-off from the engine thread vs. a drain of the
-    queue), so plain turns would load one exporter with all the big ones. If every pipe is full, or
-    the drain thread is writing, the offer is declined and the journeys take the
-    queue; bytes an offer could only partly write are finished by the drain
-    thread, which may block (the engine thread never does).
+    queue), so plain turns would load one exporter with all the big ones. If
+    every pipe is full, or the drain thread is writing, the offer is declined and
+    the journeys take the queue; bytes an offer could only partly write are
+    finished by the drain thread, which may block (the engine thread never does).
 
     An exporter that is gone (its pipe broke) is left out from then on; the sink
     is ``broken`` (journeys dropped and counted) when none is left.
