@@ -168,3 +168,17 @@ def test_resource_hash_is_kept_and_equal_to_the_sdks() -> None:
     assert hash(resource) == hash(plain) == hash(resource)
     assert resource == plain and {plain: 1}[resource] == 1
     assert resource.attributes[S.RES_SERVICE_NAME] == S.DEFAULT_SERVICE_NAME
+
+
+def test_an_exporter_gone_in_the_middle_of_a_frame(pipes) -> None:  # type: ignore[no-untyped-def]
+    (r1, w1), (r2, w2) = pipes
+    fcntl.fcntl(w1, F_SETPIPE_SZ, 4096)
+    sink = PipeSink([w1, w2])
+    assert sink.offer(journeys(200))  # its start in the first pipe, the rest pending
+    assert sink.pending
+    os.close(r1)
+    # The partial frame is lost (and counted); the new batch goes to the other one.
+    assert sink.consume(journeys(1, 500)) == 0
+    assert sink.failed == 200 and sink.exporters == 1 and not sink.pending
+    sink.shutdown(1)
+    assert ids(read_all(r2)) == ["req-500"]

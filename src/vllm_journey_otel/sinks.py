@@ -165,6 +165,10 @@ _LAUNCHER = (
 )
 
 
+class FrameLost(Exception):
+    """A frame could not be delivered to any exporter (its journeys are counted)."""
+
+
 class PipeSink:
     """Encode batches and write them to one or more detached exporter processes.
 
@@ -308,25 +312,26 @@ class PipeSink:
     ) -> bool:
         """Write one frame: the rest of a partial one to its ``fd``, a new one (-1)
         to the first exporter with room. Blocks until done or ``deadline``; False
-        at the deadline (what is left becomes pending). Raises ``BrokenPipeError``
-        when no exporter is left.
+        at the deadline (what is left becomes pending). Raises :class:`FrameLost`
+        (its journeys counted in ``failed``) when the exporter that has the start
+        of the frame is gone, or none is left.
         """
         view = memoryview(data)
         while view:
             if not self._fds:
                 self.failed += journeys
-                raise BrokenPipeError("no exporter process left")
+                raise FrameLost("no exporter process left")
             targets = [fd] if fd >= 0 else self._rotation()
             for target in targets:
                 try:
                     n = os.write(target, view)
                 except BlockingIOError:
                     continue
-                except OSError:
+                except OSError as exc:
                     self._lost_exporter(target)
                     if fd >= 0:  # the frame's start went there: it is lost with it
                         self.failed += journeys
-                        return True
+                        raise FrameLost("the exporter went away in the middle of a frame") from exc
                     continue
                 self._sent[target] += n
                 fd, view = target, view[n:]
@@ -351,13 +356,14 @@ class PipeSink:
         if self.broken:
             return len(batch)
         with self._lock:
-            try:
-                if self._pending:
+            if self._pending:
+                with contextlib.suppress(FrameLost):  # counted in ``failed``
                     self._write_frame(*self._take_pending())
-                if batch:
+            if batch:
+                try:
                     self._write_frame(self._frame(batch, engine_dropped), len(batch))
-            except OSError:
-                return len(batch)
+                except FrameLost:
+                    return len(batch)
         return 0
 
     def flush(self, timeout_s: float) -> bool:
@@ -369,7 +375,7 @@ class PipeSink:
             if self._pending:
                 try:
                     return self._write_frame(*self._take_pending(), time.monotonic() + timeout_s)
-                except OSError:
+                except FrameLost:
                     return False
         return True
 
