@@ -254,7 +254,7 @@ class PipeSink:
         """The pipes in the order to try for the next frame: least sent first."""
         fds = self._fds
         if len(fds) < 2:
-            return list(fds)
+            return fds  # safe to iterate: losing the only one ends the loop
         return sorted(fds, key=self._sent.__getitem__)
 
     def _lost_exporter(self, fd: int) -> None:
