@@ -1,33 +1,79 @@
 """Export capacity: finished journeys per second turned into OTLP with no drops.
 
-Feeds N finished journeys (6 spans each, 15 % with a preemption) through the
-real pipeline (hand-off queue, drain thread, msgspec frames over a pipe, the
-detached exporter process, OTLP gRPC) into an OTLP receiver running in this
-process, at a fixed offered rate, and reports the rate received, drops at every
-stage, and CPU seconds: this process's drain thread vs the exporter process.
+Feeds N finished journeys (5 spans each, 9 for the one in 7 with a preemption)
+through the real pipeline (hand-off queue, drain thread, msgspec frames over a
+pipe, the detached exporter process, OTLP gRPC) into an OTLP receiver running in
+this process (after a warm-up: every exporter has exported a first batch), and
+reports the rate at which the spans arrived, losses at every
+stage, and CPU seconds: the drain thread, the rest of this process (mostly the
+receiver) and the exporter process.
 
-    .venv/bin/python benchmarks/export_bench.py [N] [OFFERED_PER_S]
+    .venv/bin/python benchmarks/export_bench.py [N] [OFFERED_PER_S] [--receiver parse|count]
+        [--exporters K]
+
+Journeys are submitted in steps of 100, each followed by the engine thread's
+hand-off (``publish_due``: a frame at most every 10 ms, when a pipe has room).
+``OFFERED_PER_S`` 0 (the default) offers as fast as the pipeline takes journeys
+without dropping any (the submit loop waits while more than 1,000 are queued):
+the figure is the capacity of the pipeline. A positive rate offers at that
+fixed rate and drops what the hand-off queue cannot hold, as the engine would:
+the queue (16,384) and the pipe (1 MiB) absorb a few seconds of excess, so offer
+for well over ten seconds to show that a rate is sustained.
+
+``--receiver parse`` (default) is the test suite's receiver: Python gRPC server,
+every request decoded into protobuf objects. ``--receiver count`` keeps the raw
+request bytes and decodes them after the run, so the receiver's own cost is as
+small as a Python gRPC server allows.
+
+``--exporters K`` starts K exporter processes fed frames in turn
+(VLLM_JOURNEY_OTEL_EXPORTER_PROCESSES).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import socket
 import sys
+import threading
 import time
+from collections.abc import Callable
+from concurrent import futures
 from pathlib import Path
+from typing import Any
+
+import grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from otlp_receiver import Receiver
-from vllm_journey_otel.journey import STATUS_LENGTH, RequestJourney
+from vllm_journey_otel import __version__
+from vllm_journey_otel import schema as S
+from vllm_journey_otel.journey import STATUS_LENGTH, FinishedJourney, RequestJourney
 from vllm_journey_otel.pipeline import JourneyPipeline
 from vllm_journey_otel.sinks import PipeSink
+from vllm_journey_otel.spans import plan_spans
 
 MS = 1_000_000
+# What the plugin puts on the resource in vLLM (hooks._resource_attributes).
+RESOURCE = {
+    S.RES_SERVICE_NAME: "bench",
+    S.RES_MODEL: "Qwen/Qwen2.5-0.5B-Instruct",
+    S.RES_DP_RANK: 0,
+    S.RES_VLLM_VERSION: "0.33.0",
+    S.RES_PLUGIN_VERSION: __version__,
+    S.RES_HOST: socket.gethostname(),
+    S.RES_PID: os.getpid(),
+}
+MAX_QUEUE = 16384
+WARMUP = 100  # journeys per exporter before the timing starts
+# Lossless mode: the submit loop waits while more journeys than this are queued.
+LOSSLESS_BACKLOG = 1000
 
 
-def journeys(n: int) -> list:  # type: ignore[type-arg]
+def journeys(n: int) -> list[FinishedJourney]:
     out = []
     base = time.monotonic_ns()
     for i in range(n):
@@ -43,72 +89,201 @@ def journeys(n: int) -> list:  # type: ignore[type-arg]
     return out
 
 
-def cpu_of(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
+def count_spans(req: trace_service_pb2.ExportTraceServiceRequest) -> int:
+    return sum(len(ss.spans) for rs in req.resource_spans for ss in rs.scope_spans)
+
+
+class ParsingReceiver(Receiver):
+    """The tests' receiver, counting spans and noting when the last ones came."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spans_received = 0
+        self.requests_seen = 0
+        self.last_at = 0.0
+
+    def add(self, req: trace_service_pb2.ExportTraceServiceRequest) -> None:
+        n = count_spans(req)
+        with self.lock:
+            self.spans_received += n
+            self.requests_seen += 1
+            self.last_at = time.perf_counter()
+
+    def start(self) -> int:
+        return self.start_grpc()
+
+    def settle(self) -> None:
+        pass
+
+
+class CountingReceiver:
+    """OTLP/gRPC that keeps the raw request bytes; decoded by ``settle`` after the run."""
+
+    def __init__(self) -> None:
+        self.raw: list[bytes] = []
+        self.lock = threading.Lock()
+        self.spans_received = 0
+        self.requests_seen = 0
+        self.last_at = 0.0
+        self._server: grpc.Server | None = None
+
+    def _export(self, request: bytes, context: Any) -> bytes:
+        with self.lock:
+            self.raw.append(request)
+            self.requests_seen += 1
+            self.last_at = time.perf_counter()
+        return b""  # an empty ExportTraceServiceResponse
+
+    def start(self) -> int:
+        handler = grpc.method_handlers_generic_handler(
+            "opentelemetry.proto.collector.trace.v1.TraceService",
+            {"Export": grpc.unary_unary_rpc_method_handler(self._export)},
+        )
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        server.add_generic_rpc_handlers((handler,))
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        self._server = server
+        return port
+
+    def settle(self) -> None:
+        with self.lock:
+            raw, self.raw = self.raw, []
+        for data in raw:
+            self.spans_received += count_spans(
+                trace_service_pb2.ExportTraceServiceRequest.FromString(data)
+            )
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop(grace=None).wait(5)
+
+
+def cpu_of(path: str) -> float:
+    """User + system CPU seconds of a process or thread from its /proc stat file."""
+    with open(path) as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+class CpuWatch:
+    """The latest CPU reading of a process that may exit (then: its last reading)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.start = self.last = self._read(0.0)
+
+    def _read(self, default: float) -> float:
+        try:
+            return cpu_of(self.path)
+        except (OSError, ValueError, IndexError):
+            return default
+
+    def sample(self) -> None:
+        self.last = self._read(self.last)
+
+    @property
+    def used(self) -> float:
+        return self.last - self.start
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def main() -> None:
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 50_000
-    offered = float(sys.argv[2]) if len(sys.argv) > 2 else 10_000.0
-    receiver = Receiver()
-    receiver.start_grpc()
-    os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = f"http://127.0.0.1:{receiver.grpc_port}"
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("n", nargs="?", type=int, default=50_000)
+    ap.add_argument("offered_per_s", nargs="?", type=float, default=0.0)
+    ap.add_argument("--receiver", choices=("parse", "count"), default="parse")
+    ap.add_argument("--exporters", type=int, default=1)
+    args = ap.parse_args()
+    n, offered = args.n, args.offered_per_s
+
+    receiver: ParsingReceiver | CountingReceiver = (
+        ParsingReceiver() if args.receiver == "parse" else CountingReceiver()
+    )
+    port = receiver.start()
+    os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = f"http://127.0.0.1:{port}"
     os.environ["OTEL_TRACES_EXPORTER"] = "otlp"
+    warmup = journeys(WARMUP * args.exporters)
     batch = journeys(n)
-    expected_spans = sum(6 if j.end.num_preemptions == 0 else 9 for j in batch)
-    sink = PipeSink.start({"service.name": "bench"})
-    pipeline = JourneyPipeline(sink, max_queue=16384, interval_s=0.05)
-    exporter_pid = None
-    for line in os.popen("pgrep -f vllm_journey_otel.exporter_process").read().split():
-        exporter_pid = int(line)
-    cpu0_self, cpu0_exp = time.process_time(), cpu_of(exporter_pid) if exporter_pid else 0.0
-    t0 = time.perf_counter()
-    for i, j in enumerate(batch):
-        pipeline.submit(j)
-        if i % 100 == 99:  # offered load: sleep to the schedule, in steps of 100
+    expected_spans = sum(len(plan_spans(j, 0)) for j in warmup + batch)
+    sink = PipeSink.start(RESOURCE, processes=args.exporters)
+    assert len(sink.pids) == args.exporters
+    # Timing starts once every exporter has started up and exported a first batch.
+    for k in range(args.exporters):
+        sink.consume(warmup[k * WARMUP : (k + 1) * WARMUP])
+    deadline = time.monotonic() + 60
+    while receiver.requests_seen < args.exporters and time.monotonic() < deadline:
+        time.sleep(0.01)
+    pipeline = JourneyPipeline(sink, max_queue=MAX_QUEUE, interval_s=0.05)
+    assert pipeline._thread is not None and pipeline._thread.native_id is not None
+    exporter_cpus = [CpuWatch(f"/proc/{pid}/stat") for pid in sink.pids]
+    drain_cpu = CpuWatch(f"/proc/self/task/{pipeline._thread.native_id}/stat")
+    self_cpu0 = time.process_time()
+    wait: Callable[[int], None]
+    if offered > 0:
+
+        def wait(i: int) -> None:  # the schedule, in steps of 100
             ahead = (i + 1) / offered - (time.perf_counter() - t0)
             if ahead > 0:
                 time.sleep(ahead)
+    else:
+
+        def wait(i: int) -> None:  # back-pressure instead of drops
+            while pipeline.queued > LOSSLESS_BACKLOG:
+                time.sleep(0.005)
+
+    t0 = time.perf_counter()
+    for i, j in enumerate(batch):
+        pipeline.submit(j)
+        if i % 100 == 99:  # a scheduler step that finished 100 requests
+            pipeline.publish_due(time.monotonic_ns())
+            wait(i)
+            if i % 10_000 == 9_999:
+                for watch in exporter_cpus:
+                    watch.sample()
+                drain_cpu.sample()
     submit_s = time.perf_counter() - t0
-    cpu_self = time.process_time() - cpu0_self
-    last_cpu_exp = cpu0_exp
-
-    def sample_exporter_cpu() -> None:
-        nonlocal last_cpu_exp
-        try:
-            if exporter_pid:
-                last_cpu_exp = cpu_of(exporter_pid)
-        except OSError:
-            pass  # it exited: keep the last reading
-
-    sample_exporter_cpu()
+    drain_cpu.sample()  # before shutdown ends the thread
     pipeline.shutdown(5)  # EOF: the exporter exports the rest and exits
 
-    def received() -> int:
-        return sum(len(ss.spans) for r in receiver.requests for rs in r.resource_spans
-                   for ss in rs.scope_spans)  # fmt: skip
-
     deadline = time.monotonic() + 120
-    while received() < expected_spans and time.monotonic() < deadline:
-        sample_exporter_cpu()
+    while time.monotonic() < deadline and any(alive(pid) for pid in sink.pids):
+        for watch in exporter_cpus:
+            watch.sample()
         time.sleep(0.05)
-    done_s = time.perf_counter() - t0
-    got = received()
+    exporters_exited = not any(alive(pid) for pid in sink.pids)
+    exporter_cpu = sum(watch.used for watch in exporter_cpus)
+    time.sleep(0.2)  # the last answer is on its way to the exporter before it exits
+    self_cpu = time.process_time() - self_cpu0
+    receiver.settle()
+    got = receiver.spans_received
+    done_s = receiver.last_at - t0
     print(
         json.dumps(
             {
                 "journeys": n,
-                "offered_per_s": offered,
+                "offered_per_s": offered or "as fast as taken, no drops",
+                "receiver": args.receiver,
+                "exporter_processes": args.exporters,
                 "submit_s": round(submit_s, 2),
-                "all_received_s": round(done_s, 2),
+                "last_span_received_s": round(done_s, 2),
                 "journeys_per_s_end_to_end": round(n / done_s),
                 "spans_expected": expected_spans,
                 "spans_received": got,
-                "dropped_in_handoff": pipeline.dropped,
-                "cpu_s_this_process_until_submitted": round(cpu_self, 2),
-                "cpu_s_exporter_process_at_least": round(last_cpu_exp - cpu0_exp, 2),
+                "journeys_dropped_in_handoff": pipeline.dropped,
+                "journeys_failed_to_pipe": pipeline.failed,
+                "exporters_exited": exporters_exited,
+                "cpu_s_drain_thread": round(drain_cpu.used, 2),
+                "cpu_s_rest_of_this_process": round(self_cpu - drain_cpu.used, 2),
+                "cpu_s_exporter_processes": round(exporter_cpu, 2),
+                "exporter_cpu_us_per_journey": round(exporter_cpu / n * 1e6),
             },
             indent=2,
         )

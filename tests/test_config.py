@@ -77,3 +77,13 @@ def test_step_view_settings(caplog) -> None:
     assert "The step view stays off" in caplog.text and config.STEPS_RATIO in caplog.text
     # The step view alone does not turn tracing on.
     assert not config.from_env({config.STEPS: "1"}).enabled
+
+
+def test_exporter_processes() -> None:
+    assert config.from_env({config.ENABLE: "1"}).exporter_processes == 1
+    cfg = config.from_env({config.ENABLE: "1", config.EXPORTER_PROCESSES: "3"})
+    assert cfg.exporter_processes == 3
+    assert (
+        config.from_env({config.ENABLE: "1", config.EXPORTER_PROCESSES: "0"}).exporter_processes
+        == 1
+    )

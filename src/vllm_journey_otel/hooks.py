@@ -188,7 +188,7 @@ def _make_sink(attributes: dict[str, Any]) -> Sink:
     """The exporter process, or span building in this process (thread mode, tests)."""
     if _STATE.exporters is None and _STATE.config.export_mode == MODE_PROCESS:
         try:
-            return PipeSink.start(attributes)
+            return PipeSink.start(attributes, processes=_STATE.config.exporter_processes)
         except Exception:
             logger.warning(
                 "journey-otel: could not start the exporter process; building spans "

@@ -71,6 +71,24 @@ def build_exporters(env: Mapping[str, str] | None = None) -> list[SpanExporter]:
     return [cls() for cls in classes.values()]
 
 
+class _Resource(Resource):
+    """A Resource that computes its hash once.
+
+    The SDK's OTLP encoder groups the spans of a batch by resource, hashing it
+    for every span, and ``Resource.__hash__`` is a sorted JSON dump of all its
+    attributes: ~4.6 us a span, ~8 % of the exporter process's CPU. A Resource
+    is immutable (its attributes cannot change after creation), so the hash can
+    be kept; equality is unchanged.
+    """
+
+    _hash: int | None = None
+
+    def __hash__(self) -> int:
+        if self._hash is None:
+            self._hash = super().__hash__()
+        return self._hash
+
+
 def make_resource(attributes: Mapping[str, AttributeValue]) -> Resource:
     """Our resource attributes, overridden by OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME.
 
@@ -83,7 +101,8 @@ def make_resource(attributes: Mapping[str, AttributeValue]) -> Resource:
         del user[S.RES_SERVICE_NAME]
     ours = Resource({S.RES_SERVICE_NAME: S.DEFAULT_SERVICE_NAME, **attributes})
     # In Resource.merge the argument's values win: the user's settings override ours.
-    return ours.merge(Resource(user, env_resource.schema_url))
+    merged = ours.merge(Resource(user, env_resource.schema_url))
+    return _Resource(merged.attributes, merged.schema_url)
 
 
 # Our string attributes are short except the request id, which a client may set

@@ -4,7 +4,8 @@
   span plan, SDK tracer). Used inside the exporter process, and in the engine
   core itself in ``thread`` mode.
 * :class:`PipeSink` encodes the batch with msgspec and writes it to the stdin of a
-  separate exporter process (``python -m vllm_journey_otel.exporter_process``),
+  separate exporter process, or one of several
+  (``python -m vllm_journey_otel.exporter_process``),
   which owns the SDK. This keeps span building and OTLP encoding off the engine
   core's GIL, and the exporter outlives the engine core: vLLM's API server kills
   the engine-core process tree at once on SIGTERM (``--shutdown-timeout 0``, the
@@ -155,13 +156,17 @@ class SpanSink:
 
 # The SDK's BatchSpanProcessor defaults (2,048-span queue, 512-span batches every
 # 5 s) drop spans above a few hundred journeys a second; the exporter process
-# starts with larger ones unless the user set OTEL_BSP_* themselves. The queue is
-# what an outage costs in memory: a queued SDK span holds about 3-5 KB, so 32,768
-# spans bound it near 150 MB (measured: 262,144 spans held 850 MB while the
-# backend black-holed every export).
+# starts with larger ones unless the user set OTEL_BSP_* themselves.
+# The queue is what an outage costs in memory: a queued SDK span holds about
+# 3-5 KB, so 32,768 spans bound it near 150-200 MB per exporter process
+# (measured: 262,144 spans held 850 MB while the backend black-holed every
+# export). Batches of 2,048 spans: ~0.9 MB of OTLP (~430 bytes a span), well
+# under the 4 MiB a gRPC server (the Collector's default) accepts, where 16,384
+# fail outright; ~3 % less CPU than 4,096 (benchmarks/export_bench.py), and one
+# export round trip of 50 ms still carries ~40,000 spans a second.
 EXPORTER_BSP_DEFAULTS = {
     "OTEL_BSP_MAX_QUEUE_SIZE": "32768",
-    "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "4096",
+    "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "2048",
     "OTEL_BSP_SCHEDULE_DELAY": "500",
 }
 
@@ -173,25 +178,50 @@ _LAUNCHER = (
 )
 
 
-class PipeSink:
-    """Encode batches and write them to a detached exporter process.
+class FrameLost(Exception):
+    """A frame could not be delivered to any exporter (its journeys are counted)."""
 
-    The write end of the pipe is non-blocking. The engine thread ``offer``s the
+
+class PipeSink:
+    """Encode batches and write them to one or more detached exporter processes.
+
+    The write ends of the pipes are non-blocking. The engine thread ``offer``s the
     journeys a step finished: one msgspec encode and one ``os.write``, no thread
     hand-off (waking a thread costs the engine thread a GIL switch each time).
-    If the pipe is full, or the drain thread is writing, the offer is declined and
+    With several exporters (one exporter process builds and encodes ~3,500
+    journeys a second; docs/performance.md), each frame goes to the one that has
+    been sent the fewest bytes so far, the next one if that pipe is full: frames
+    differ in size (a 10 ms hand-off from the engine thread vs. a drain of the
+    queue), so plain turns would load one exporter with all the big ones. If
+    every pipe is full, or the drain thread is writing, the offer is declined and
     the journeys take the queue; bytes an offer could only partly write are
     finished by the drain thread, which may block (the engine thread never does).
+
+    An exporter that is gone (its pipe broke) is left out from then on; the sink
+    is ``broken`` (journeys dropped and counted) when none is left.
     """
 
-    def __init__(self, fd: int, pid: int | None = None) -> None:
-        os.set_blocking(fd, False)
-        self._fd = fd
+    def __init__(self, fd: int | Sequence[int], pid: int | None = None) -> None:
+        self._fds: list[int] = [fd] if isinstance(fd, int) else list(fd)
+        for each in self._fds:
+            os.set_blocking(each, False)
+        # The first exporter's pid; ``pids`` has all of them (set by ``start``).
         self.pid = pid
+        self.pids: list[int] = [] if pid is None else [pid]
         self.failed = 0
-        self.broken = False
+        self.broken = not self._fds
         self._lock = threading.Lock()
+        self._sent = dict.fromkeys(self._fds, 0)  # bytes written to each pipe
+        # The rest of a frame whose start went to ``_pending_fd`` (-1: to none yet),
+        # and how many journeys it holds.
         self._pending = b""
+        self._pending_fd = -1
+        self._pending_journeys = 0
+
+    @property
+    def exporters(self) -> int:
+        """Exporter processes still connected."""
+        return len(self._fds)
 
     @classmethod
     def start(
@@ -199,8 +229,9 @@ class PipeSink:
         resource_attributes: Mapping[str, Any],
         env: Mapping[str, str] | None = None,
         python: str | None = None,
+        processes: int = 1,
     ) -> PipeSink:
-        """Start the exporter (detached from this process tree) and connect to it."""
+        """Start ``processes`` exporters (detached from this process tree), connect to them."""
         argv = [
             python or sys.executable,
             "-m",
@@ -210,44 +241,53 @@ class PipeSink:
         child_env = dict(os.environ if env is None else env)
         for key, value in EXPORTER_BSP_DEFAULTS.items():
             child_env.setdefault(key, value)
-        read_fd, write_fd = os.pipe()
-        pid_r, pid_w = os.pipe()
+        fds: list[int] = []
+        pids: list[int] = []
         try:
-            launcher = subprocess.run(
-                [python or sys.executable, "-c", _LAUNCHER, str(pid_w), *argv],
-                stdin=read_fd,
-                env=child_env,
-                pass_fds=(pid_w,),
-                timeout=30,
-                check=False,
-            )
-            os.close(pid_w)
-            pid_text = os.read(pid_r, 32)
-        finally:
-            for fd in (read_fd, pid_r):
-                os.close(fd)
-            with contextlib.suppress(OSError):
-                os.close(pid_w)
-        if launcher.returncode != 0:
-            os.close(write_fd)
-            raise RuntimeError(f"exporter launcher exited with {launcher.returncode}")
-        with contextlib.suppress(OSError):  # a bigger pipe: fewer declined offers
-            fcntl.fcntl(write_fd, F_SETPIPE_SZ, 1 << 20)
-        pid = int(pid_text) if pid_text.strip().isdigit() else None
-        return cls(write_fd, pid)
+            for _ in range(max(1, processes)):
+                fd, pid = _launch(argv, child_env, python)
+                fds.append(fd)
+                if pid is not None:
+                    pids.append(pid)
+        except BaseException:
+            for fd in fds:  # EOF: the ones already started exit
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            raise
+        sink = cls(fds, pids[0] if pids else None)
+        sink.pids = pids
+        return sink
 
     @staticmethod
     def _frame(batch: Sequence[Record], engine_dropped: int) -> bytes:
         payload = ENCODER.encode(Frame(list(batch), engine_dropped))
         return FRAME_HEADER.pack(len(payload)) + payload
 
-    def _broke(self, lost: int) -> None:
-        self.broken = True
-        self.failed += lost
-        logger.warning(
-            "journey-otel: the exporter process is gone; journeys are dropped from now on",
-            exc_info=True,
-        )
+    def _rotation(self) -> list[int]:
+        """The pipes in the order to try for the next frame: least sent first."""
+        fds = self._fds
+        if len(fds) < 2:
+            return fds  # safe to iterate: losing the only one ends the loop
+        return sorted(fds, key=self._sent.__getitem__)
+
+    def _lost_exporter(self, fd: int) -> None:
+        """The exporter behind ``fd`` is gone: stop writing to it."""
+        if fd in self._fds:
+            self._fds.remove(fd)
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        if self._fds:
+            logger.warning(
+                "journey-otel: an exporter process is gone; %d remain",
+                len(self._fds),
+                exc_info=True,
+            )
+        else:
+            self.broken = True
+            logger.warning(
+                "journey-otel: the exporter process is gone; journeys are dropped from now on",
+                exc_info=True,
+            )
 
     @property
     def pending(self) -> bool:
@@ -258,47 +298,85 @@ class PipeSink:
             return False
         try:
             if self._pending:
-                return False  # keep frames in order: the drain thread goes first
+                return False  # the drain thread finishes the partial frame first
             data = self._frame(batch, engine_dropped)
-            try:
-                n = os.write(self._fd, data)
-            except BlockingIOError:
-                return False
-            except OSError:
-                self._broke(len(batch))
+            for fd in self._rotation():
+                try:
+                    n = os.write(fd, data)
+                except BlockingIOError:
+                    continue  # this exporter is behind: the next one
+                except OSError:
+                    self._lost_exporter(fd)
+                    continue
+                self._sent[fd] += n
+                if n < len(data):
+                    self._pending, self._pending_fd = data[n:], fd
+                    self._pending_journeys = len(batch)
+                return True
+            if self.broken:
+                self.failed += len(batch)
                 return True  # counted as failed; nothing to queue
-            if n < len(data):
-                self._pending = data[n:]
-            return True
+            return False
         finally:
             self._lock.release()
 
-    def _write_all(self, data: bytes, deadline: float | None = None) -> bool:
+    def _write_frame(
+        self, data: bytes, journeys: int, fd: int = -1, deadline: float | None = None
+    ) -> bool:
+        """Write one frame: the rest of a partial one to its ``fd``, a new one (-1)
+        to the first exporter with room. Blocks until done or ``deadline``; False
+        at the deadline (what is left becomes pending). Raises :class:`FrameLost`
+        (its journeys counted in ``failed``) when the exporter that has the start
+        of the frame is gone, or none is left.
+        """
         view = memoryview(data)
         while view:
-            try:
-                n = os.write(self._fd, view)
-            except BlockingIOError:
+            if not self._fds:
+                self.failed += journeys
+                raise FrameLost("no exporter process left")
+            targets = [fd] if fd >= 0 else self._rotation()
+            for target in targets:
+                try:
+                    n = os.write(target, view)
+                except BlockingIOError:
+                    continue
+                except OSError as exc:
+                    self._lost_exporter(target)
+                    if fd >= 0:  # the frame's start went there: it is lost with it
+                        self.failed += journeys
+                        raise FrameLost("the exporter went away in the middle of a frame") from exc
+                    continue
+                self._sent[target] += n
+                fd, view = target, view[n:]
+                break
+            else:
+                if not self._fds:
+                    continue  # raises above
                 wait = 1.0 if deadline is None else deadline - time.monotonic()
                 if wait <= 0:
-                    self._pending = bytes(view)
+                    self._pending, self._pending_fd = bytes(view), fd
+                    self._pending_journeys = journeys
                     return False
-                select.select([], [self._fd], [], min(wait, 1.0))
-                continue
-            view = view[n:]
+                select.select([], [t for t in targets if t in self._fds], [], min(wait, 1.0))
         return True
+
+    def _take_pending(self) -> tuple[bytes, int, int]:
+        pending = self._pending, self._pending_journeys, self._pending_fd
+        self._pending, self._pending_journeys, self._pending_fd = b"", 0, -1
+        return pending
 
     def consume(self, batch: Sequence[Record], engine_dropped: int = 0) -> int:
         if self.broken:
             return len(batch)
         with self._lock:
-            data = self._pending + (self._frame(batch, engine_dropped) if batch else b"")
-            self._pending = b""
-            try:
-                self._write_all(data)
-            except OSError:
-                self._broke(len(batch))
-                return len(batch)
+            if self._pending:
+                with contextlib.suppress(FrameLost):  # counted in ``failed``
+                    self._write_frame(*self._take_pending())
+            if batch:
+                try:
+                    self._write_frame(self._frame(batch, engine_dropped), len(batch))
+                except FrameLost:
+                    return len(batch)
         return 0
 
     def flush(self, timeout_s: float) -> bool:
@@ -308,18 +386,46 @@ class PipeSink:
             return False
         with self._lock:
             if self._pending:
-                data, self._pending = self._pending, b""
                 try:
-                    return self._write_all(data, time.monotonic() + timeout_s)
-                except OSError:
-                    self._broke(0)
+                    return self._write_frame(*self._take_pending(), time.monotonic() + timeout_s)
+                except FrameLost:
                     return False
         return True
 
     def shutdown(self, timeout_s: float) -> None:
         self.flush(timeout_s)
+        for fd in self._fds:  # EOF: each exporter exports what it has and exits
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds = []
+
+
+def _launch(argv: list[str], env: dict[str, str], python: str | None) -> tuple[int, int | None]:
+    """Start one exporter through the launcher; the write end of its pipe, its pid."""
+    read_fd, write_fd = os.pipe()
+    pid_r, pid_w = os.pipe()
+    try:
+        launcher = subprocess.run(
+            [python or sys.executable, "-c", _LAUNCHER, str(pid_w), *argv],
+            stdin=read_fd,
+            env=env,
+            pass_fds=(pid_w,),
+            timeout=30,
+            check=False,
+        )
+        os.close(pid_w)
+        pid_text = os.read(pid_r, 32)
+    finally:
+        for fd in (read_fd, pid_r):
+            os.close(fd)
         with contextlib.suppress(OSError):
-            os.close(self._fd)  # EOF: the exporter exports what it has and exits
+            os.close(pid_w)
+    if launcher.returncode != 0:
+        os.close(write_fd)
+        raise RuntimeError(f"exporter launcher exited with {launcher.returncode}")
+    with contextlib.suppress(OSError):  # a bigger pipe: fewer declined offers
+        fcntl.fcntl(write_fd, F_SETPIPE_SZ, 1 << 20)
+    return write_fd, int(pid_text) if pid_text.strip().isdigit() else None
 
 
 def read_frames(stream: IO[bytes]) -> Any:

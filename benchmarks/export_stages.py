@@ -1,0 +1,136 @@
+"""Where the exporter process spends its time, stage by stage, per journey.
+
+The exporter's work for one frame of journeys, each stage timed on its own in
+this process (the same code the exporter process runs, on the same journeys as
+``export_bench.py``), repeated in rounds so a noisy machine shows as spread:
+
+* ``decode``: msgspec frames to :class:`FinishedJourney` (``sinks.read_frames``);
+* ``plan``: ``spans.plan_spans`` and ``spans.root_context``;
+* ``emit``: ``spans.emit_spans`` into the exporter's real provider (SDK span
+  objects, attribute checks, the BatchSpanProcessor's queue), export discarded;
+* ``otlp_encode``: the SDK's OTLP encoder (``encode_spans``, what the OTLP
+  exporters call) on the spans of the batch, in batches of OTEL_BSP_MAX_EXPORT_BATCH_SIZE;
+* ``serialize``: protobuf bytes of those requests (gRPC does this on send);
+* ``receiver_parse``: what a Python receiver pays to decode them again.
+
+    .venv/bin/python benchmarks/export_stages.py [N] [ROUNDS]
+
+The cyclic GC is tuned as in the exporter process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from export_bench import RESOURCE, journeys
+
+from vllm_journey_otel.exporter_process import tune_gc
+from vllm_journey_otel.provider import make_tracer_provider
+from vllm_journey_otel.sinks import DECODER, EXPORTER_BSP_DEFAULTS, PipeSink
+from vllm_journey_otel.spans import emit_spans, plan_spans, root_context
+
+FRAME_JOURNEYS = 100
+
+
+class Keep(SpanExporter):
+    def __init__(self, keep: bool) -> None:
+        self.keep = keep
+        self.spans: list[ReadableSpan] = []
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        if self.keep:
+            self.spans.extend(spans)
+        return SpanExportResult.SUCCESS
+
+
+def main() -> None:
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 10_000
+    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 5
+    batch_size = int(EXPORTER_BSP_DEFAULTS["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"])
+    frames = [
+        PipeSink._frame(journeys(n)[i : i + FRAME_JOURNEYS], 0)[4:]
+        for i in range(0, n, FRAME_JOURNEYS)
+    ]
+    for key, value in EXPORTER_BSP_DEFAULTS.items():  # as the exporter process has them
+        os.environ.setdefault(key, value)
+    tune_gc()  # as the exporter process does
+    keep = Keep(keep=True)
+    make_tracer_provider(RESOURCE, exporters=[keep], batch=False)
+    times: dict[str, list[float]] = {}
+
+    def timed(stage: str, fn: Callable[[], Any]) -> Any:
+        t0 = time.perf_counter()
+        out = fn()
+        times.setdefault(stage, []).append((time.perf_counter() - t0) / n * 1e6)
+        return out
+
+    spans_per_journey = 0.0
+    bytes_per_span = 0.0
+    for _ in range(rounds):
+        decoded = timed("decode", lambda: [j for f in frames for j in DECODER.decode(f).journeys])
+        plans = timed(
+            "plan",
+            lambda: [(plan_spans(j, 0, 0), root_context(j)) for j in decoded],  # noqa: B023
+        )
+        provider = make_tracer_provider(RESOURCE, exporters=[Keep(keep=False)])
+        tracer = provider.get_tracer("bench")
+        timed("emit", lambda: [emit_spans(p, tracer, *ctx) for p, ctx in plans])  # noqa: B023
+        provider.shutdown()
+        # The same spans as ReadableSpans, built outside the timing.
+        keep.spans.clear()
+        simple = make_tracer_provider(RESOURCE, exporters=[keep], batch=False)
+        simple_tracer = simple.get_tracer("bench")
+        for p, ctx in plans:
+            emit_spans(p, simple_tracer, *ctx)
+        spans = list(keep.spans)
+        requests = timed(
+            "otlp_encode",
+            lambda: [
+                encode_spans(spans[i : i + batch_size])  # noqa: B023
+                for i in range(0, len(spans), batch_size)  # noqa: B023
+            ],
+        )
+        data = timed("serialize", lambda: [r.SerializeToString() for r in requests])  # noqa: B023
+        timed(
+            "receiver_parse",
+            lambda: [trace_service_pb2.ExportTraceServiceRequest.FromString(d) for d in data],  # noqa: B023
+        )
+        spans_per_journey = len(spans) / n
+        bytes_per_span = sum(map(len, data)) / len(spans)
+    exporter_stages = ("decode", "plan", "emit", "otlp_encode", "serialize")
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    total = sum(medians[k] for k in exporter_stages)
+    print(
+        json.dumps(
+            {
+                "journeys": n,
+                "rounds": rounds,
+                "spans_per_journey": round(spans_per_journey, 2),
+                "otlp_bytes_per_span": round(bytes_per_span),
+                "us_per_journey_median_(min,max)": {
+                    k: f"{medians[k]:.1f} ({min(v):.1f}, {max(v):.1f})" for k, v in times.items()
+                },
+                "exporter_total_us_per_journey": round(total, 1),
+                "exporter_journeys_per_s_on_one_core": round(1e6 / total),
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

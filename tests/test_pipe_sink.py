@@ -1,0 +1,184 @@
+"""The engine side of the exporter pipes: frames spread over several exporters by
+bytes sent, a full pipe skipped, a partial frame finished on its own pipe, a gone exporter left
+out; and two real exporter processes fed by one sink deliver every span. And the exporter's
+resource keeps its hash (the SDK's OTLP encoder hashes it once per span)."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import io
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from otlp_receiver import Receiver
+from services import wait_until
+from vllm_journey_otel import schema as S
+from vllm_journey_otel.journey import STATUS_LENGTH, FinishedJourney, RequestJourney
+from vllm_journey_otel.sinks import F_SETPIPE_SZ, PipeSink, read_frames
+from vllm_journey_otel.spans import plan_spans
+
+MS = 1_000_000
+
+
+def journeys(n: int, start: int = 0) -> list[FinishedJourney]:
+    out = []
+    base = time.monotonic_ns()
+    for i in range(start, start + n):
+        t = base + i * MS
+        j = RequestJourney(f"req-{i}", time.time(), t, i, 100, 8)
+        j.scheduled(t + MS, i, 0, 100, 100, 0)
+        j.tokens(t + 2 * MS, i, 1)
+        out.append(j.finish(t + 3 * MS, i, STATUS_LENGTH, "length", 8, t + 3 * MS))
+    return out
+
+
+def ids(frames: list) -> list[str]:  # type: ignore[type-arg]
+    return [j.request_id for f in frames for j in f.journeys]
+
+
+@pytest.fixture
+def pipes() -> Iterator[list[tuple[int, int]]]:
+    made = [os.pipe() for _ in range(2)]
+    yield made
+    for r, w in made:
+        for fd in (r, w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def read_all(fd: int) -> list:  # type: ignore[type-arg]
+    with os.fdopen(os.dup(fd), "rb") as f:
+        return list(read_frames(f))
+
+
+def test_frames_go_to_the_exporter_sent_the_fewest_bytes(pipes) -> None:  # type: ignore[no-untyped-def]
+    sink = PipeSink([w for _, w in pipes])
+    assert sink.offer(journeys(2, 0))  # a tie: the first pipe
+    assert sink.offer(journeys(2, 2))
+    assert sink.offer(journeys(40, 100))  # a big frame (the drain thread's)...
+    for k in range(4):  # ...then the small ones go to the other exporter
+        assert sink.offer(journeys(2, 4 + 2 * k))
+    sink.shutdown(1)
+    first, second = (read_all(r) for r, _ in pipes)
+    assert ids(first) == ["req-0", "req-1"] + [f"req-{i}" for i in range(100, 140)]
+    assert ids(second) == [f"req-{i}" for i in (2, 3, *range(4, 12))]
+
+
+def test_a_full_pipe_is_skipped_and_all_full_declines(pipes) -> None:  # type: ignore[no-untyped-def]
+    (_r1, w1), (r2, w2) = pipes
+    fcntl.fcntl(w1, F_SETPIPE_SZ, 4096)
+    os.write(w1, b"\0" * 4096)  # full: that exporter is behind
+    sink = PipeSink([w1, w2])
+    for k in range(3):
+        assert sink.offer(journeys(1, k))
+    assert ids(list(read_frames(io.BytesIO(os.read(r2, 1 << 20))))) == ["req-0", "req-1", "req-2"]
+    # Both full: the engine thread never blocks, the journeys stay in its queue.
+    fcntl.fcntl(w2, F_SETPIPE_SZ, 4096)
+    os.write(w2, b"\0" * 4096)
+    assert not sink.offer(journeys(1, 9))
+    assert not sink.pending and sink.failed == 0
+
+
+def test_partial_frame_is_finished_on_its_own_pipe(pipes) -> None:  # type: ignore[no-untyped-def]
+    (r1, w1), (r2, w2) = pipes
+    for w in (w1, w2):
+        fcntl.fcntl(w, F_SETPIPE_SZ, 4096)
+    sink = PipeSink([w1, w2])
+    big = journeys(200)  # far more than one 4 KiB pipe holds
+    assert sink.offer(big)
+    assert sink.pending
+    got: dict[int, list] = {}  # type: ignore[type-arg]
+
+    def reader(r: int) -> None:
+        got[r] = read_all(r)
+
+    threads = [threading.Thread(target=reader, args=(r,)) for r in (r1, r2)]
+    for t in threads:
+        t.start()
+    assert not sink.offer(journeys(1, 500)), "the partial frame goes first"
+    assert sink.consume(journeys(1, 500)) == 0
+    assert not sink.pending
+    sink.shutdown(1)
+    for t in threads:
+        t.join(10)
+    assert ids(got[r1]) == [j.request_id for j in big]
+    assert ids(got[r2]) == ["req-500"]
+
+
+def test_a_gone_exporter_is_left_out_then_none_is_broken(pipes) -> None:  # type: ignore[no-untyped-def]
+    (r1, w1), (r2, w2) = pipes
+    sink = PipeSink([w1, w2])
+    os.close(r1)  # the first exporter died
+    for k in range(3):
+        assert sink.offer(journeys(1, k))
+    assert sink.exporters == 1 and not sink.broken and sink.failed == 0
+    assert sink.consume(journeys(1, 3)) == 0
+    os.close(r2)
+    assert sink.offer(journeys(2, 4))  # taken: counted as failed, nothing to queue
+    assert sink.broken and sink.failed == 2
+    assert sink.consume(journeys(1, 6)) == 1
+    assert not sink.offer(journeys(1, 7))
+
+
+def test_two_real_exporters_deliver_every_span(monkeypatch, capfd) -> None:  # type: ignore[no-untyped-def]
+    receiver = Receiver()
+    receiver.start_grpc()
+    for key in list(os.environ):
+        if key.startswith("OTEL_"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
+    monkeypatch.setenv(
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{receiver.grpc_port}"
+    )
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    try:
+        sink = PipeSink.start({"service.name": "two"}, processes=2)
+        assert sink.exporters == 2 and len(set(sink.pids)) == 2
+        batch = journeys(40)
+        for k in range(0, 40, 5):
+            assert sink.consume(batch[k : k + 5]) == 0
+        sink.shutdown(5)
+        expected = sum(len(plan_spans(j, 0)) for j in batch)
+        spans = wait_until(
+            lambda: len(receiver.spans()) >= expected and receiver.spans(), 60, 0.1, "spans"
+        )
+        roots = [s for s in spans if s.name == S.SPAN_REQUEST]
+        assert sorted(r.attrs[S.REQUEST_ID] for r in roots) == sorted(j.request_id for j in batch)
+        assert len(spans) == expected
+        # Each exporter got half the frames (equal sizes), and says so when it exits.
+        psutil.wait_procs([psutil.Process(pid) for pid in sink.pids], timeout=30)
+        assert capfd.readouterr().err.count("20 journeys received, 100 spans built") == 2
+    finally:
+        receiver.stop()
+
+
+def test_resource_hash_is_kept_and_equal_to_the_sdks() -> None:
+    from opentelemetry.sdk.resources import Resource
+
+    from vllm_journey_otel.provider import make_resource
+
+    resource = make_resource({S.RES_MODEL: "m", S.RES_PID: 7})
+    plain = Resource(resource.attributes, resource.schema_url)
+    assert hash(resource) == hash(plain) == hash(resource)
+    assert resource == plain and {plain: 1}[resource] == 1
+    assert resource.attributes[S.RES_SERVICE_NAME] == S.DEFAULT_SERVICE_NAME
+
+
+def test_an_exporter_gone_in_the_middle_of_a_frame(pipes) -> None:  # type: ignore[no-untyped-def]
+    (r1, w1), (r2, w2) = pipes
+    fcntl.fcntl(w1, F_SETPIPE_SZ, 4096)
+    sink = PipeSink([w1, w2])
+    assert sink.offer(journeys(200))  # its start in the first pipe, the rest pending
+    assert sink.pending
+    os.close(r1)
+    # The partial frame is lost (and counted); the new batch goes to the other one.
+    assert sink.consume(journeys(1, 500)) == 0
+    assert sink.failed == 200 and sink.exporters == 1 and not sink.pending
+    sink.shutdown(1)
+    assert ids(read_all(r2)) == ["req-500"]
