@@ -311,3 +311,27 @@ def test_step_records_and_journeys_share_the_pipe_and_link() -> None:
     )
     assert step_span.attributes[S.STEP_SCHEDULE_MS] == pytest.approx(1.0)
     assert step_span.attributes[S.STEP_PREFILL_TOKENS] == 100
+
+
+def test_ids_and_sampling_ignore_vllms_seeded_global_random() -> None:
+    """vLLM seeds the global ``random`` (seed 0 by default) in the engine core: ids
+    drawn from it would repeat after every restart and on every replica."""
+    import random
+
+    from vllm_journey_otel.sampling import HeadSampler
+    from vllm_journey_otel.spans import PresetIdGenerator
+
+    def draw() -> tuple[object, ...]:
+        random.seed(0)  # what vLLM does at start-up
+        target = _journey().link_target()
+        gen = PresetIdGenerator()
+        sampled = [HeadSampler(ratio=0.5).sampled(None) for _ in range(64)]
+        return target.ids, gen.generate_trace_id(), gen.generate_span_id(), tuple(sampled)
+
+    first, second = draw(), draw()
+    for a, b in zip(first, second, strict=True):
+        assert a != b
+    state = random.getstate()
+    draw()
+    random.seed(0)
+    assert random.getstate() == state, "vLLM's own random stream is not consumed"

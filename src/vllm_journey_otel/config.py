@@ -74,11 +74,13 @@ class Config:
     # over a pipe (off the engine core's GIL, survives the engine core being
     # killed); "thread": by a thread of the engine core.
     export_mode: str = MODE_PROCESS
-    # Exporter processes in "process" mode, fed frames in turn. One builds and
+    # Exporter processes in "process" mode; each frame goes to the one sent the
+    # fewest bytes whose pipe has room. One builds and
     # exports about 3,500 finished journeys a second on a free core.
     exporter_processes: int = 1
-    # Deadline for the final flush when the engine core shuts down. vLLM's parent
-    # sends SIGKILL about 5 s after SIGTERM, so stay well under it.
+    # Deadline for the final flush of thread mode when the engine core shuts
+    # down. vLLM's parent sends SIGKILL 0.1 ms (--shutdown-timeout 0) to 5 s (no
+    # timeout given) after SIGTERM; the exporter process is not bound by it.
     shutdown_timeout_s: float = 3.0
     # API-server side: when vLLM is about to SIGKILL the engine core right after
     # its SIGTERM (--shutdown-timeout 0, the default), wait up to this long for

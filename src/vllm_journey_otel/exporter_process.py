@@ -1,12 +1,14 @@
 """The exporter process: finished journeys in on stdin, OTLP out.
 
 Started by :meth:`vllm_journey_otel.sinks.PipeSink.start` from the engine core,
-detached from its process tree. It reads frames of msgpack-encoded
-``list[Record]`` (finished journeys, sampled steps) from stdin, builds spans
+detached from its process tree. It reads msgpack-encoded frames (finished
+journeys, sampled steps, the engine side's drop count) from stdin, builds spans
 (clock conversion, span plan, SDK tracer) and exports them through a private
 TracerProvider configured by the inherited OTEL_* variables. On end-of-file
-(the engine core closed the pipe or died) or SIGTERM it flushes within the
-deadline and exits.
+(the engine core closed the pipe or died) or SIGTERM it flushes for at most
+VLLM_JOURNEY_OTEL_SHUTDOWN_TIMEOUT_S (at least 10 s), shuts the SDK down (the
+batch processor gives its worker up to 30 s more) and exits, logging what it
+delivered and lost.
 
 Clock: CLOCK_MONOTONIC is system-wide, so this process's wall-mono-wall anchor
 converts the engine core's ``*_mono_ns`` stamps correctly (same host).

@@ -58,6 +58,7 @@ class ExportHealth:
         self.spans_dropped = 0  # the SDK's span queue was full
         self.engine_dropped = 0  # latest count the engine core reported with a batch
         self.last_reason = ""
+        self.exporting = False  # a HealthExporter reports here (not OTEL_TRACES_EXPORTER=none)
         self.input_warnings = 0  # the SDK's complaints about client input, demoted
         self._period_s = report_period_s
         self._outage_since: float | None = None
@@ -131,6 +132,8 @@ class ExportHealth:
         Exact, unlike the live count from the SDK's log records, which can be off
         by a span when the worker pops between the SDK's full check and its append.
         """
+        if not self.exporting:
+            return  # nothing was to be exported: nothing lost
         self.spans_dropped = max(0, self.spans_built - self.spans_exported - self.spans_failed)
 
     def summary(self) -> str:
@@ -190,6 +193,7 @@ class HealthExporter(SpanExporter):
     def __init__(self, inner: SpanExporter, health: ExportHealth) -> None:
         self.inner = inner
         self.health = health
+        health.exporting = True
         self.endpoint = endpoint_of(inner)
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:

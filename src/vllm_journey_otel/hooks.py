@@ -35,10 +35,10 @@ frame, at the preemption only.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import inspect
 import os
-import random
 import socket
 import sys
 import threading
@@ -68,6 +68,7 @@ from .journey import (
 )
 from .pipeline import JourneyPipeline
 from .provider import make_tracer_provider, sdk_disabled
+from .rng import RNG
 from .sampling import HeadSampler, TailRule
 from .sinks import PipeSink, Sink, SpanSink
 
@@ -125,8 +126,6 @@ class _State:
         self.config = Config()
         self.support: Support | None = None
         self.vllm_version = ""
-        # OutputProcessor.add_request is wrapped: in-flight requests are known.
-        self.tracks_frontend = False
         # (class, name) -> (original, whether the class defined it or inherited it)
         self.originals: dict[tuple[type, str], tuple[Callable[..., Any], bool]] = {}
         self.status_map: dict[Any, tuple[int, str]] = {}
@@ -393,7 +392,7 @@ class SchedulerTracker:
             if deferred:
                 self._deferred_waits(t, step, deferred)
         ratio = self.steps_ratio
-        if ratio and nst and (ratio >= 1.0 or random.random() < ratio):
+        if ratio and nst and (ratio >= 1.0 or RNG.random() < ratio):
             self._step_begin(t, step, out)
 
     def _step_begin(self, t: int, step: int, out: Any) -> None:
@@ -863,15 +862,27 @@ def _wrap_async_add_request(orig: Callable[..., Any]) -> Callable[..., Any]:
     return add_request
 
 
-# API-server side: the OutputProcessors seen, so that the shutdown grace can tell
-# whether any request is in flight (their ``request_states``).
+# API-server side: this process's OutputProcessors, so that the shutdown grace
+# can tell whether any request is in flight (their ``request_states``).
 _OUTPUT_PROCESSORS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _wrap_output_init(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        orig(self, *args, **kwargs)
+        with contextlib.suppress(TypeError):  # not weak-referenceable: no grace check
+            _OUTPUT_PROCESSORS.add(self)
+
+    return __init__
 
 
 def _wrap_output_add_request(orig: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(orig)
     def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        _OUTPUT_PROCESSORS.add(self)
+        if self not in _OUTPUT_PROCESSORS:  # built before the plugin loaded
+            with contextlib.suppress(TypeError):
+                _OUTPUT_PROCESSORS.add(self)
         headers = _TRACE_HEADERS.get()
         if headers is not None and getattr(request, "trace_headers", None) is None:
             try:
@@ -883,24 +894,31 @@ def _wrap_output_add_request(orig: Callable[..., Any]) -> Callable[..., Any]:
     return add_request
 
 
+# vllm.v1.utils.shutdown waits this long when given no timeout (0.32, 0.33).
+_VLLM_DEFAULT_PROCESS_TIMEOUT_S = 5.0
+
+
 def _grace_for_engine_cores(manager: Any, timeout: float | None) -> None:
     """SIGTERM the engine cores and wait up to the grace for them to exit.
 
-    Only when vLLM would kill them sooner (``timeout`` below the grace): on
-    SIGTERM an engine core aborts its requests (our hooks hand those journeys to
-    the exporter within milliseconds) and exits its busy loop; vLLM's own
-    shutdown then finds it gone, or kills what is left as before.
+    Only when vLLM would kill them sooner (``timeout`` below the grace; None is
+    vLLM's 5 s): on SIGTERM an engine core aborts its requests (our hooks hand
+    those journeys to the exporter within milliseconds) and exits its busy loop;
+    vLLM's own shutdown then finds it gone, or kills what is left as before.
+
+    With the API server in this process, only when it has requests in flight:
+    an idle engine core that exits by itself while the API server's output task
+    still listens makes vLLM log a spurious EngineDeadError. Where the engine
+    cores are managed by a process without an API server (--api-server-count > 1,
+    --headless), in-flight requests cannot be seen: the grace always applies.
     """
     grace_s = _STATE.config.shutdown_grace_ms / 1000.0
-    if grace_s <= 0 or (timeout is not None and timeout >= grace_s):
+    vllm_wait_s = _VLLM_DEFAULT_PROCESS_TIMEOUT_S if timeout is None else timeout
+    if grace_s <= 0 or vllm_wait_s >= grace_s:
         return
-    if _STATE.tracks_frontend and not any(
-        getattr(op, "request_states", True) for op in list(_OUTPUT_PROCESSORS)
-    ):
-        # Nothing in flight, nothing to save: vLLM's shutdown exactly as it is.
-        # (An idle engine core that exits by itself while the API server's output
-        # task still listens makes vLLM log a spurious EngineDeadError.)
-        return
+    processors = list(_OUTPUT_PROCESSORS)
+    if processors and not any(getattr(op, "request_states", True) for op in processors):
+        return  # nothing in flight, nothing to save: vLLM's shutdown exactly as it is
     procs = [p for p in getattr(manager, "processes", ()) if p.is_alive()]
     if not procs:
         return
@@ -1035,7 +1053,7 @@ def install(
                     assert async_llm is not None and output_processor is not None
                     _patch(async_llm, "add_request", _wrap_async_add_request)
                     _patch(output_processor, "add_request", _wrap_output_add_request)
-                    _STATE.tracks_frontend = True
+                    _patch(output_processor, "__init__", _wrap_output_init)
                 else:
                     logger.info(
                         "journey-otel: AsyncLLM.add_request not as expected; the client's "
@@ -1080,7 +1098,6 @@ def unwrap() -> None:
                 delattr(cls, name)
         _STATE.originals.clear()
         _STATE.installed = False
-        _STATE.tracks_frontend = False
         _STATE.enabled = False
 
 

@@ -31,11 +31,12 @@ state (e.g. a preemption of a queued request) are ignored rather than raised.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Mapping
 from typing import Final
 
 import msgspec
+
+from .rng import RNG
 
 # Journey states (small ints: compared on the engine thread).
 QUEUED: Final = 0
@@ -387,7 +388,7 @@ class RequestJourney:
         (the same immutable object after that: a step view links it every step)."""
         target = self.link
         if target is None:
-            bits = random.getrandbits
+            bits = RNG.getrandbits  # not vLLM's seeded global random (rng.py)
             ids = self.root_ids = RootIds(bits(64), bits(64) or 1, bits(64) or 1)
             headers = dict(self.trace_headers) if self.trace_headers else None
             target = self.link = LinkTarget(self.request_id, ids, headers)

@@ -151,8 +151,11 @@ def make_tracer_provider(
         exporters = build_exporters()
         if not exporters:
             logger.info("%s=none: journeys are recorded but not exported.", TRACES_EXPORTER)
-    for exporter in exporters:
-        if health is not None:
+    for i, exporter in enumerate(exporters):
+        if health is not None and i == 0:
+            # The first exporter's outcomes are the health counts (one exported /
+            # failed count per span built); others (OTEL_TRACES_EXPORTER=a,b) are
+            # left as the SDK made them.
             exporter = HealthExporter(exporter, health)
         processor = BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter)
         provider.add_span_processor(processor)

@@ -19,11 +19,11 @@ Pure: no vLLM, no OpenTelemetry SDK.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .config import TAIL, TAIL_SLOW_MS, logger
+from .rng import RNG
 
 SAMPLER = "OTEL_TRACES_SAMPLER"
 SAMPLER_ARG = "OTEL_TRACES_SAMPLER_ARG"
@@ -56,7 +56,7 @@ class HeadSampler:
                 except ValueError:
                     pass  # malformed: the journey is its own root, sampled as one
         ratio = self.ratio
-        return ratio >= 1.0 or (ratio > 0.0 and random.random() < ratio)
+        return ratio >= 1.0 or (ratio > 0.0 and RNG.random() < ratio)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> HeadSampler:

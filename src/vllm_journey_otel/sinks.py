@@ -146,8 +146,24 @@ class SpanSink:
         return failed
 
     def flush(self, timeout_s: float) -> bool:
+        """Export what was built, giving up after ``timeout_s``.
+
+        The SDK's BatchSpanProcessor.force_flush (1.45) ignores its timeout and
+        exports until done, which takes minutes with a black-holed backend and a
+        full queue; so it runs in a thread that is waited for at most that long.
+        """
         ms = int(max(0.0, timeout_s) * 1000)
-        return bool(self.provider.force_flush(ms)) if ms > 0 else False
+        if ms <= 0:
+            return False
+        done: list[bool] = []
+        worker = threading.Thread(
+            target=lambda: done.append(bool(self.provider.force_flush(ms))),
+            name="vllm-journey-otel-flush",
+            daemon=True,
+        )
+        worker.start()
+        worker.join(timeout_s)
+        return bool(done and done[0])
 
     def shutdown(self, timeout_s: float) -> None:
         self.flush(timeout_s)
@@ -414,12 +430,15 @@ def _launch(argv: list[str], env: dict[str, str], python: str | None) -> tuple[i
             check=False,
         )
         os.close(pid_w)
+        pid_w = -1  # closed: never close the number again (another thread may reuse it)
         pid_text = os.read(pid_r, 32)
+    except BaseException:
+        os.close(write_fd)  # an exporter that did start sees end-of-file and exits
+        raise
     finally:
-        for fd in (read_fd, pid_r):
-            os.close(fd)
-        with contextlib.suppress(OSError):
-            os.close(pid_w)
+        for fd in (read_fd, pid_r, pid_w):
+            if fd >= 0:
+                os.close(fd)
     if launcher.returncode != 0:
         os.close(write_fd)
         raise RuntimeError(f"exporter launcher exited with {launcher.returncode}")

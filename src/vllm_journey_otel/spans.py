@@ -28,6 +28,7 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, Trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
+from . import rng
 from . import schema as S
 from .journey import (
     FinishedJourney,
@@ -372,7 +373,8 @@ def root_context(j: FinishedJourney) -> tuple[otel_context.Context, list[trace.L
 
 
 class PresetIdGenerator(RandomIdGenerator):
-    """Random ids, except for the next root whose ids were chosen in advance.
+    """Random ids (from rng.py, not the global ``random`` vLLM seeds), except for
+    the next root whose ids were chosen in advance.
 
     The provider's id generator; :func:`emit_spans` presets it just before it
     starts such a root, on the one thread that builds spans.
@@ -392,13 +394,13 @@ class PresetIdGenerator(RandomIdGenerator):
         if self._span_id:
             value, self._span_id = self._span_id, 0
             return value
-        return super().generate_span_id()
+        return rng.span_id()
 
     def generate_trace_id(self) -> int:
         if self._trace_id:
             value, self._trace_id = self._trace_id, 0
             return value
-        return super().generate_trace_id()
+        return rng.trace_id()
 
 
 def emit_spans(
