@@ -863,9 +863,10 @@ def test_promtool_check_config() -> None:
 # ---------------------------------------------------------------------------
 def test_configuration_reference_documents_every_variable() -> None:
     doc = CONFIG_DOC.read_text()
+    readme = (ROOT / "README.md").read_text()
     for var in C.ALL_VARIABLES:
         assert f"`{var}`" in doc, var
-    readme = (ROOT / "README.md").read_text()
+        assert f"`{var}`" in readme, f"{var} missing from the README's table"
     for var in set(re.findall(r"`(OTEL_[A-Z_]+)`", readme)):
         assert var in doc, f"{var} (honoured, per the README) is not in {rel(CONFIG_DOC)}"
 
