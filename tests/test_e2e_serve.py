@@ -212,28 +212,42 @@ def test_without_traceparent_is_its_own_trace(server, receiver) -> None:  # type
 def test_client_disconnect_mid_stream_aborts(server, receiver) -> None:  # type: ignore[no-untyped-def]
     import httpx
 
-    tp, trace_id, _ = new_traceparent()
-    body = {
-        "model": server.model, "prompt": "a long answer", "max_tokens": 1500,
-        "stream": True, "ignore_eos": True,
-    }  # fmt: skip
-    with (
-        httpx.Client(timeout=60) as http,
-        http.stream(
-            "POST", server.url + "/v1/completions", json=body, headers={"traceparent": tp}
-        ) as r,
-    ):
-        got = 0
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                got += 1
-            if got >= 3:
-                break  # leave the with-block: the connection closes mid-stream
-    (root,) = journeys_in_trace(receiver, trace_id, timeout=60)
-    check_invariants(root)
-    assert root.attrs[S.FINISH_STATUS] == S.FINISH_ABORTED
-    assert 3 <= root.attrs[S.GEN_AI_OUTPUT_TOKENS] < 1500
-    assert root.shape() == expected_shape("PD")
+    # The tiny model decodes a token in about a millisecond, so the engine can
+    # race to max_tokens before the API server has noticed the disconnect (seen
+    # once in CI on a loaded machine). That race is vLLM's, not ours: each
+    # attempt's journey must be consistent either way, and at least one of
+    # three must show the abort.
+    max_tokens = 2000  # the longest the server's --max-model-len 2048 allows
+    statuses = []
+    for _attempt in range(3):
+        tp, trace_id, _ = new_traceparent()
+        body = {
+            "model": server.model, "prompt": "a long answer", "max_tokens": max_tokens,
+            "stream": True, "ignore_eos": True,
+        }  # fmt: skip
+        with (
+            httpx.Client(timeout=60) as http,
+            http.stream(
+                "POST", server.url + "/v1/completions", json=body, headers={"traceparent": tp}
+            ) as r,
+        ):
+            got = 0
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    got += 1
+                if got >= 3:
+                    break  # leave the with-block: the connection closes mid-stream
+        (root,) = journeys_in_trace(receiver, trace_id, timeout=60)
+        check_invariants(root)
+        assert root.shape() == expected_shape("PD")
+        status = root.attrs[S.FINISH_STATUS]
+        statuses.append(status)
+        if status == S.FINISH_ABORTED:
+            assert 3 <= root.attrs[S.GEN_AI_OUTPUT_TOKENS] < max_tokens
+            break
+        assert status == S.FINISH_LENGTH, status
+        assert root.attrs[S.GEN_AI_OUTPUT_TOKENS] == max_tokens
+    assert statuses[-1] == S.FINISH_ABORTED, f"no attempt was aborted: {statuses}"
 
 
 def test_too_long_prompt_is_rejected_without_a_journey(server, receiver) -> None:  # type: ignore[no-untyped-def]
