@@ -109,7 +109,7 @@ class Engine:
         policy: str = "fcfs",
         num_spec_tokens: int = 0,
         max_loras: int = 0,
-        remote_kv: bool = False,
+        remote_kv: bool | str = False,
         spec_metrics: str = "none",
     ) -> None:
         global _HASH_READY
@@ -156,12 +156,20 @@ class Engine:
         if remote_kv:
             from vllm.config import KVTransferConfig
 
-            # tests/remote_kv_connector.py: asynchronous loads the test finishes.
-            extra["kv_transfer_config"] = KVTransferConfig(
-                kv_connector="RemoteKVTestConnector",
-                kv_connector_module_path="remote_kv_connector",
-                kv_role="kv_consumer",
-            )
+            if remote_kv == "nixl":
+                # vLLM's own NIXL connector, scheduler side only (its worker side,
+                # which moves the blocks, needs the NIXL library and a GPU; the
+                # test reports transfers done as that worker side would).
+                extra["kv_transfer_config"] = KVTransferConfig(
+                    kv_connector="NixlConnector", kv_role="kv_consumer"
+                )
+            else:
+                # tests/remote_kv_connector.py: asynchronous loads the test finishes.
+                extra["kv_transfer_config"] = KVTransferConfig(
+                    kv_connector="RemoteKVTestConnector",
+                    kv_connector_module_path="remote_kv_connector",
+                    kv_role="kv_consumer",
+                )
             sc.disable_hybrid_kv_cache_manager = True
         vc = VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc, **extra)
         kv = KVCacheConfig(
@@ -207,6 +215,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         # KV connector: remote loads the next processed step reports finished.
         self.kv_loaded: set[str] = set()
+        # ... of which these failed (KVConnectorOutput.failed_recving).
+        self.kv_failed: set[str] = set()
         self.prefill_stats: dict[str, Any] = {}
         # request id -> token ids delivered to the client, in order
         self.outputs: dict[str, list[int]] = {}
@@ -240,7 +250,20 @@ class Engine:
             # until the test sets one: compile_grammar().
             extra["structured_outputs"] = StructuredOutputsParams(json=json_schema)
         if remote_prefill:
-            extra["extra_args"] = {"kv_transfer_params": {"do_remote_prefill": True}}
+            # What a disaggregated-serving proxy passes to the decode instance
+            # (the fields vLLM's NIXL connector reads; the test connector reads
+            # only the first).
+            params = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": "prefill-engine",
+                "remote_request_id": f"prefill-{rid}",
+                "remote_block_ids": list(range(-(-len(tokens) // BLOCK_SIZE))),
+                "remote_host": "127.0.0.1",
+                "remote_port": 1,
+                "tp_size": 1,
+            }
+            extra["extra_args"] = {"kv_transfer_params": params}
         sp = SamplingParams(
             max_tokens=max_tokens, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, **extra
         )
@@ -346,7 +369,11 @@ class Engine:
         if self.kv_loaded:
             from vllm.v1.outputs import KVConnectorOutput
 
-            mro.kv_connector_output = KVConnectorOutput(finished_recving=set(self.kv_loaded))
+            mro.kv_connector_output = KVConnectorOutput(
+                finished_recving=set(self.kv_loaded),
+                failed_recving=self.kv_failed & self.kv_loaded,
+            )
+            self.kv_failed -= self.kv_loaded
             self.kv_loaded.clear()
         outputs = self.scheduler.update_from_output(so, mro)
         for eco in outputs.values():

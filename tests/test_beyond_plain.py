@@ -482,17 +482,26 @@ def test_wait_for_structured_output_grammar(tracing, async_scheduling: bool) -> 
 # Waits inside the queue: remote KV (KV connector, disaggregated prefill)
 # ---------------------------------------------------------------------------
 @SCHEDULERS
-def test_wait_for_remote_kv(tracing, async_scheduling: bool) -> None:
-    """tests/remote_kv_connector.py loads 39 of 40 prompt tokens asynchronously."""
-    e = harness.Engine(async_scheduling=async_scheduling, remote_kv=True)
+@pytest.mark.parametrize("connector", ["nixl", "test"])
+def test_wait_for_remote_kv(tracing, async_scheduling: bool, connector: str) -> None:
+    """Disaggregated prefill on the decode side. ``nixl``: vLLM's own NixlConnector
+    (scheduler side; no NIXL library here, so the test reports the transfers done
+    as its worker side would). ``test``: tests/remote_kv_connector.py, which loads
+    39 of 40 prompt tokens."""
+    e = harness.Engine(async_scheduling=async_scheduling, remote_kv=connector)
     e.add("decode-side", prompt_len=40, max_tokens=4, remote_prefill=True)
     e.add("gone", prompt_len=40, max_tokens=4, remote_prefill=True)
+    e.add("lost", prompt_len=40, max_tokens=4, remote_prefill=True)
     e.add("local", prompt_len=20, max_tokens=4)
     for _ in range(3):
         e.step()
     assert e.requests["decode-side"].num_output_tokens == 0, "precondition: still loading"
+    # What vLLM itself counts as loaded by the connector (its PrefillStats).
+    external = e.requests["decode-side"].prefill_stats.num_external_cached_tokens
+    assert external == (40 if connector == "nixl" else 39)
     e.abort("gone")  # vLLM keeps its blocks until its transfer is done too
-    e.kv_loaded.update(("decode-side", "gone"))  # the worker reports the transfers done
+    e.kv_failed.add("lost")  # the worker reports this load failed
+    e.kv_loaded.update(("decode-side", "gone", "lost"))  # the transfers are done
     e.run()
     journeys = tracing.journeys()
     for j in journeys.values():
@@ -501,20 +510,38 @@ def test_wait_for_remote_kv(tracing, async_scheduling: bool) -> None:
     d = journeys["decode-side"]
     (queued,) = d.kids(S.SPAN_QUEUED)
     (wait,) = queued.children
-    assert wait.attrs == {S.WAIT_REASON: S.WAIT_REMOTE_KV}
-    # From the schedule() that started the load (after admission) to the one that
-    # found it done and scheduled the last prompt token.
+    attrs = dict(wait.attrs)
+    transfer_ms = attrs.pop(S.KV_TRANSFER_MS)
+    assert attrs == {
+        S.WAIT_REASON: S.WAIT_REMOTE_KV,
+        S.KV_TRANSFER_TOKENS: external,
+        S.KV_TRANSFER_FAILED: False,
+    }
+    # From the schedule() that started the load to the one that found it done and
+    # scheduled the last prompt token; the transfer ended inside it, at the
+    # update_from_output that reported it.
     assert queued.start < wait.start < wait.end == queued.end
-    assert d.attrs[S.GEN_AI_CACHE_READ_TOKENS] == 39  # loaded, not computed
+    assert 0 < transfer_ms * 1e6 < wait.end - wait.start
+    # vLLM recomputes the last prompt token either way (to sample the next one).
+    assert d.attrs[S.GEN_AI_CACHE_READ_TOKENS] == 39
     prefill = d.kids(S.SPAN_SCHEDULED)[0].children[0]
     assert prefill.attrs[S.CACHED_TOKENS] == 39
-    # Aborted during the transfer: the wait lasts to the end.
+    # Aborted during the transfer: the wait lasts to the end; the transfer's end
+    # came after the journey's and is not reported (missing, not zero).
     gone = journeys["gone"]
     assert gone.attrs[S.FINISH_STATUS] == S.FINISH_ABORTED
     (gq,) = gone.kids(S.SPAN_QUEUED)
     (gw,) = gq.children
     assert gw.attrs == {S.WAIT_REASON: S.WAIT_REMOTE_KV}
     assert gw.end == gq.end == gone.end
+    # A failed load: vLLM's default policy ("fail") ends the request with an error.
+    lost = journeys["lost"]
+    assert lost.attrs[S.FINISH_STATUS] == S.FINISH_ERROR
+    (lq,) = lost.kids(S.SPAN_QUEUED)
+    (lw,) = lq.children
+    assert lw.attrs[S.KV_TRANSFER_FAILED] is True
+    assert lw.attrs[S.KV_TRANSFER_TOKENS] == external
+    assert lw.end == lq.end == lost.end
     assert_no_state_left(e)
     from vllm_journey_otel.hooks import TRACKER_ATTR
 

@@ -828,6 +828,7 @@ def test_every_promised_attribute_is_emitted_by_real_journeys(tracing) -> None: 
     # Scheduler and asserts these keys.
     feature_only = {
         S.WAIT_REASON, S.SPEC_DRAFTS_PROPOSED, S.SPEC_DRAFTS_ACCEPTED, S.SPEC_ACCEPTANCE_RATE,
+        S.KV_TRANSFER_MS, S.KV_TRANSFER_FAILED,
     }  # fmt: skip
     missing = []
     for names, key in promises:

@@ -134,8 +134,10 @@ def check_invariants(root: Node, check_kind: bool = True) -> None:
             assert all(w.name == S.SPAN_WAIT for w in k.children), k.shape()
             for w in k.children:
                 assert k.start <= w.start <= w.end <= k.end
-                assert set(w.attrs) == {S.WAIT_REASON}, w.attrs
-                assert w.attrs[S.WAIT_REASON] in S.WAIT_REASONS
+                assert w.attrs[S.WAIT_REASON] in S.WAIT_REASONS, w.attrs
+                assert set(w.attrs) <= S.attributes_of(S.SPAN_WAIT), w.attrs
+                if w.attrs[S.WAIT_REASON] != S.WAIT_REMOTE_KV:
+                    assert set(w.attrs) == {S.WAIT_REASON}, w.attrs
                 assert not w.children
             for a, b in itertools.pairwise(k.children):
                 assert a.end <= b.start

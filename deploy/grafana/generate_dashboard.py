@@ -617,6 +617,43 @@ def build() -> dict[str, Any]:
         8,
     )
 
+    kv = f'name="{S.SPAN_WAIT}" && span.{S.WAIT_REASON}="{S.WAIT_REMOTE_KV}" && {TQL_SEL}'
+    b.add(
+        timeseries(
+            "Remote KV transfer per request: p50 / p95 / p99",
+            f"`{S.KV_TRANSFER_MS}` on `{S.SPAN_WAIT}` spans of reason "
+            f"`{S.WAIT_REMOTE_KV}` (disaggregated prefill, offloading): from the "
+            "schedule() that started a request's asynchronous KV load to the step its "
+            "connector reported it done (kept traces). Empty without a KV connector.",
+            [
+                traceql_metrics(
+                    f"{{{kv} && span.{S.KV_TRANSFER_MS} >= 0}} | "
+                    f"quantile_over_time(span.{S.KV_TRANSFER_MS}, .5, .95, .99)"
+                )
+            ],
+            "ms",
+            TEMPO,
+        ),
+        12,
+        8,
+    )
+    b.add(
+        timeseries(
+            "Remote KV loads: done and failed per second",
+            f"`{S.SPAN_WAIT}` spans of reason `{S.WAIT_REMOTE_KV}` by "
+            f"`{S.KV_TRANSFER_FAILED}` (kept traces): a failed load is recomputed, or "
+            'ends the request with an error under kv_load_failure_policy="fail".',
+            [
+                traceql_metrics(f"{{{kv} && span.{S.KV_TRANSFER_FAILED} = false}} | rate()", "A"),
+                traceql_metrics(f"{{{kv} && span.{S.KV_TRANSFER_FAILED} = true}} | rate()", "B"),
+            ],
+            "reqps",
+            TEMPO,
+        ),
+        12,
+        8,
+    )
+
     # ------------------------------------------------------------ tracer health
     b.row("Tracer health")
     b.add(

@@ -76,6 +76,7 @@ _now = time.monotonic_ns
 _frame = sys._getframe
 _WAIT_LORA = S.WAIT_REASONS.index(S.WAIT_LORA_SLOT)
 _WAIT_STREAMING = S.WAIT_REASONS.index(S.WAIT_STREAMING_INPUT)
+_WAIT_REMOTE_KV = S.WAIT_REASONS.index(S.WAIT_REMOTE_KV)
 # vLLM request statuses that mean "waiting for something specific" -> wait reason.
 _STATUS_WAITS = {
     "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR": S.WAIT_REASONS.index(S.WAIT_GRAMMAR),
@@ -576,6 +577,38 @@ class SchedulerTracker:
                 proposed -= invalid.get(rid, 0)
             j.verified(proposed, n - k if n > k else 0)
 
+    def kv_transfers(self, mro: Any) -> None:
+        """KV connector: the asynchronous loads the worker side reports finished
+        (``finished_recving``) or failed (``failed_recving``) in this step's
+        output. Read before the original runs: with vLLM's default
+        ``kv_load_failure_policy="fail"`` it ends a failed request in there.
+        Only while requests wait for remote KV; O(loads reported)."""
+        kco = getattr(mro, "kv_connector_output", None)
+        if kco is None:
+            return
+        done = kco.finished_recving
+        bad = getattr(kco, "failed_recving", None)
+        if not done and not bad:
+            return
+        # Block-level failures (invalid_block_ids) cannot be told apart per
+        # request before vLLM maps them: then success is unknown, not assumed.
+        unknown = bool(getattr(kco, "invalid_block_ids", None))
+        t = self.update_mono_ns
+        step = self.step
+        blocked = self.blocked
+        waits = self.status_waits
+        for rid in set(done or ()) | set(bad or ()):
+            entry = blocked.get(rid)
+            if entry is None:
+                continue
+            req, j, status = entry
+            if waits.get(status) != _WAIT_REMOTE_KV:
+                continue
+            stats = getattr(req, "prefill_stats", None)
+            tokens = getattr(stats, "num_external_cached_tokens", -1) if stats is not None else -1
+            failed = 1 if bad and rid in bad else (-1 if unknown else 0)
+            j.kv_loaded(t, step, tokens if isinstance(tokens, int) else -1, failed)
+
     def after_update(self, scheduler_output: Any) -> None:
         t = self.update_mono_ns
         self.in_update = False
@@ -759,6 +792,13 @@ def _wrap_update(orig: Callable[..., Any]) -> Callable[..., Any]:
         if tr is None:
             return orig(self, scheduler_output, *args, **kwargs)
         tr.before_update()
+        if tr.blocked and tr.has_connector:
+            try:
+                tr.kv_transfers(args[0] if args else kwargs.get("model_runner_output"))
+            except Exception:
+                _fail("update_from_output")
+                tr.in_update = False
+                return orig(self, scheduler_output, *args, **kwargs)
         if not tr.spec_from_vllm and getattr(
             scheduler_output, "scheduled_spec_decode_tokens", None
         ):

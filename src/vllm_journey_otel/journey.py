@@ -164,7 +164,23 @@ class SegmentEnded(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=6
     drafts_accepted: int = 0
 
 
-Event = Scheduled | FirstToken | Preempted | WaitBegan | WaitEnded | SegmentEnded
+class KvLoaded(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=7):
+    """KV connector: the asynchronous load of the open ``remote_kv`` wait was
+    reported done by the worker side (``KVConnectorOutput.finished_recving``),
+    seen in ``update_from_output`` (engine monotonic clock). The request stays in
+    the wait until the next ``schedule()`` picks it up."""
+
+    t_mono_ns: int
+    step: int
+    # Prompt tokens the connector loaded (vLLM's PrefillStats.num_external_cached_tokens);
+    # -1: not observed.
+    tokens: int
+    # 1: the connector reported the load failed (vLLM recomputes what was lost,
+    # or ends the request with an error); 0: reported done; -1: not known.
+    failed: int
+
+
+Event = Scheduled | FirstToken | Preempted | WaitBegan | WaitEnded | SegmentEnded | KvLoaded
 
 
 class FinishedJourney(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=10):
@@ -410,6 +426,11 @@ class RequestJourney:
             self.wait_reason = -1
             if self.state in (QUEUED, PREEMPTED):
                 self.events.append(WaitEnded(t_mono_ns, step))
+
+    def kv_loaded(self, t_mono_ns: int, step: int, tokens: int, failed: int) -> None:
+        """KV connector: the open remote-KV wait's load finished (or failed)."""
+        if self.state in (QUEUED, PREEMPTED) and self.wait_reason >= 0:
+            self.events.append(KvLoaded(t_mono_ns, step, tokens, failed))
 
     def drafts_so_far(self, proposed: int, accepted: int) -> None:
         """Speculative decoding: the request's totals, as vLLM's own per-request

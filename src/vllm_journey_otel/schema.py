@@ -72,6 +72,10 @@ NUM_SEGMENTS: Final = "vllm.journey.num_segments"
 
 # vllm.wait only
 WAIT_REASON: Final = "vllm.journey.wait_reason"
+# vllm.wait (remote_kv) only, when the KV connector reported the load done
+KV_TRANSFER_MS: Final = "vllm.journey.kv_transfer.ms"
+KV_TRANSFER_TOKENS: Final = "vllm.journey.kv_transfer.tokens"
+KV_TRANSFER_FAILED: Final = "vllm.journey.kv_transfer.failed"
 
 # vllm.step only (also SCHEDULER_STEP, KV_CACHE_USAGE, NUM_RUNNING, NUM_WAITING)
 STEP_BATCH_SIZE: Final = "vllm.step.batch_size"
@@ -245,6 +249,21 @@ ATTRIBUTES: Final[tuple[AttributeSpec, ...]] = (
         PREEMPTED_BY, (SPAN_PREEMPTED,), "string", "request whose KV allocation forced it"
     ),
     AttributeSpec(WAIT_REASON, (SPAN_WAIT,), "string", "what the request waited for"),
+    AttributeSpec(
+        KV_TRANSFER_MS,
+        (SPAN_WAIT,),
+        "double",
+        "remote_kv: load started to the connector reporting it done; absent if not reported",
+    ),
+    AttributeSpec(
+        KV_TRANSFER_TOKENS, (SPAN_WAIT,), "int", "remote_kv: prompt tokens the connector loaded"
+    ),
+    AttributeSpec(
+        KV_TRANSFER_FAILED,
+        (SPAN_WAIT,),
+        "boolean",
+        "remote_kv: the connector reported the load failed",
+    ),
     AttributeSpec(
         SEGMENT, (SPAN_QUEUED, SPAN_SCHEDULED), "int", "streaming input: the input segment"
     ),

@@ -33,6 +33,7 @@ from . import schema as S
 from .journey import (
     FinishedJourney,
     FirstToken,
+    KvLoaded,
     LinkTarget,
     Preempted,
     RootIds,
@@ -177,6 +178,16 @@ def plan_spans(j: FinishedJourney, offset_ns: int, uncertainty_ns: int = 0) -> l
             span.attributes.update(extra)
 
     for ev in j.events:
+        if isinstance(ev, KvLoaded):
+            if wait_idx is not None:
+                span = plan[wait_idx]
+                ms = (at_mono(ev.t_mono_ns) - span.start_unix_ns) / 1e6
+                span.attributes[S.KV_TRANSFER_MS] = max(ms, 0.0)
+                if ev.tokens >= 0:
+                    span.attributes[S.KV_TRANSFER_TOKENS] = ev.tokens
+                if ev.failed >= 0:
+                    span.attributes[S.KV_TRANSFER_FAILED] = ev.failed > 0
+            continue
         if isinstance(ev, WaitBegan | WaitEnded):
             u = at_mono(ev.t_mono_ns)
             end_wait(u)
