@@ -29,7 +29,7 @@ from typing import Any
 from .config import from_env, logger
 from .health import ExportHealth, SdkLogGate
 from .provider import make_tracer_provider
-from .sinks import SpanSink, read_frames
+from .sinks import READ_PACE_S, SpanSink, read_frames
 
 # The exporter is not bound by vLLM's kill deadline; give the final export time.
 MIN_FINAL_FLUSH_S = 10.0
@@ -90,7 +90,7 @@ def main(argv: list[str]) -> int:
     sink = SpanSink(make_tracer_provider(attributes, health=health), health=health)
     tune_gc()
     try:
-        for frame in read_frames(sys.stdin.buffer):
+        for frame in read_frames(sys.stdin.buffer, READ_PACE_S):
             sink.consume(frame.journeys, frame.engine_dropped)
     except SystemExit:
         pass
