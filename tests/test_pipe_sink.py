@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import io
+import itertools
 import os
 import threading
 import time
@@ -182,3 +183,38 @@ def test_an_exporter_gone_in_the_middle_of_a_frame(pipes) -> None:  # type: igno
     assert sink.failed == 200 and sink.exporters == 1 and not sink.pending
     sink.shutdown(1)
     assert ids(read_all(r2)) == ["req-500"]
+
+
+def test_paced_reader_frames_split_anywhere_and_reads_spaced(pipes) -> None:  # type: ignore[no-untyped-def]
+    """The exporter's paced read (sinks.read_frames with pace_s): frames cut at any
+    byte by the pipe come out whole and in order; after a read returns, the next
+    one waits out the pace (a writer meanwhile wakes nobody); a frame cut short
+    by end-of-file is dropped."""
+    (r, w), _ = pipes
+    data = b"".join(PipeSink._frame(journeys(3, 10 * k), 0) for k in range(4))
+    got: list[tuple[float, list[str]]] = []
+
+    def writer() -> None:
+        # Three bursts cut mid-header and mid-payload, then a truncated frame.
+        cuts = [0, 2, len(data) // 2 + 1, len(data)]
+        for a, b in itertools.pairwise(cuts):
+            os.write(w, data[a:b])
+            time.sleep(0.05)
+        os.write(w, PipeSink._frame(journeys(1, 99), 0)[:-3])
+        os.close(w)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    with os.fdopen(os.dup(r), "rb") as f:
+        for frame in read_frames(f, pace_s=0.2):
+            got.append((time.monotonic(), [j.request_id for j in frame.journeys]))
+    t.join()
+    want = [f"req-{10 * k + i}" for k in range(4) for i in range(3)]
+    assert [i for _, f in got for i in f] == want
+    # All three bursts were written within ~0.15 s; paced at 0.2 s, the frames
+    # came out of at most 3 reads (frames of one read: microseconds apart),
+    # spaced by at least the pace.
+    starts = [got[0][0]] + [b for (a, _), (b, _) in itertools.pairwise(got) if b - a > 0.1]
+    assert len(starts) <= 3
+    for a, b in itertools.pairwise(starts):
+        assert b - a >= 0.19

@@ -255,6 +255,35 @@ def test_waits_inside_the_queue_plan() -> None:
         assert w.attributes == {S.WAIT_REASON: S.WAIT_LORA_SLOT}
 
 
+def test_remote_kv_transfer_figures_on_their_wait_only() -> None:
+    """The transfer's end lands on the open remote_kv wait: its duration from the
+    wait's start, tokens and outcome; unknown outcome and tokens are absent; a
+    report with no remote_kv wait open is ignored."""
+    kv = S.WAIT_REASONS.index(S.WAIT_REMOTE_KV)
+    lora = S.WAIT_REASONS.index(S.WAIT_LORA_SLOT)
+    j = _journey()
+    j.wait_began(12 * MS, 1, lora)
+    j.kv_loaded(13 * MS, 1, 40, 0)  # a LoRA wait: not a transfer
+    j.wait_began(14 * MS, 2, kv)  # the LoRA wait ends, the load starts
+    j.kv_loaded(17 * MS, 3, -1, -1)  # done; tokens and outcome not known
+    j.scheduled(20 * MS, 4, 39, 40, 40, 0)
+    j.kv_loaded(21 * MS, 4, 40, 1)  # running: not in a wait
+    j.preempted(25 * MS, 5, 40, 1, 0.9, 1, 0)
+    j.wait_began(26 * MS, 6, kv)
+    j.kv_loaded(28 * MS, 7, 40, 1)  # failed
+    fj = j.finish(30 * MS, 8, STATUS_ABORTED, "abort", 1, None)
+    assert fj is not None
+    lora_wait, first, second = _by_name(plan_spans(fj, OFFSET), S.SPAN_WAIT)
+    assert lora_wait.attributes == {S.WAIT_REASON: S.WAIT_LORA_SLOT}
+    assert first.attributes == {S.WAIT_REASON: S.WAIT_REMOTE_KV, S.KV_TRANSFER_MS: 3.0}
+    assert second.attributes == {
+        S.WAIT_REASON: S.WAIT_REMOTE_KV,
+        S.KV_TRANSFER_MS: 2.0,
+        S.KV_TRANSFER_TOKENS: 40,
+        S.KV_TRANSFER_FAILED: True,
+    }
+
+
 def test_spec_decode_plan_per_decode_span() -> None:
     j = RequestJourney("r", 0.0, 10 * MS, 0, prompt_tokens=100, max_tokens=50, spec_decode=True)
     j.scheduled(20 * MS, 1, 0, 100, 100, 0)

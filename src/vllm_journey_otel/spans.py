@@ -179,8 +179,8 @@ def plan_spans(j: FinishedJourney, offset_ns: int, uncertainty_ns: int = 0) -> l
 
     for ev in j.events:
         if isinstance(ev, KvLoaded):
-            if wait_idx is not None:
-                span = plan[wait_idx]
+            span = plan[wait_idx] if wait_idx is not None else None
+            if span is not None and span.attributes[S.WAIT_REASON] == S.WAIT_REMOTE_KV:
                 ms = (at_mono(ev.t_mono_ns) - span.start_unix_ns) / 1e6
                 span.attributes[S.KV_TRANSFER_MS] = max(ms, 0.0)
                 if ev.tokens >= 0:
