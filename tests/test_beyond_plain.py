@@ -594,6 +594,38 @@ def test_summary_waits_and_acceptance(tracing, tmp_path) -> None:
     assert "speculative decoding: 3 requests" in text
 
 
+def test_summary_remote_kv_transfers(tracing, tmp_path) -> None:
+    """vllm-journey summary: the transfer time of remote KV loads (vLLM's NIXL
+    connector, scheduler side) and how many failed, as the spans say."""
+    from vllm_journey_otel.file_exporter import OtlpJsonFileExporter
+    from vllm_journey_otel.summary import SUMMARY_ATTRIBUTES, format_text, summarize
+    from vllm_journey_otel.tracefile import read_spans
+
+    e = harness.Engine(remote_kv="nixl")
+    for rid in ("a", "b", "c"):
+        e.add(rid, prompt_len=40, max_tokens=4, remote_prefill=True)
+    e.add("local", prompt_len=20, max_tokens=4)
+    e.step()
+    e.kv_loaded.add("a")
+    e.step()
+    e.kv_failed.add("c")
+    e.kv_loaded.update(("b", "c"))
+    e.run()
+    spans = tracing.spans()
+    path = tmp_path / "j.jsonl"
+    OtlpJsonFileExporter(path).export(spans)
+    d = summarize(read_spans([path], attributes_of=SUMMARY_ATTRIBUTES)).to_dict()
+    transfers = sorted(
+        s.attributes[S.KV_TRANSFER_MS] for s in spans if S.KV_TRANSFER_MS in (s.attributes or {})
+    )
+    assert len(transfers) == 3
+    assert d["kv_transfer"]["ms"]["count"] == 3
+    assert d["kv_transfer"]["ms"]["max"] == round(transfers[-1], 3)
+    assert d["kv_transfer"]["failed"] == 1
+    assert d["waits_ms"][S.WAIT_REMOTE_KV]["count"] == 3
+    assert "remote KV loads: 3 reported done, 1 of them failed" in format_text(d)
+
+
 def test_summary_without_waits_or_spec(tracing, tmp_path) -> None:
     from vllm_journey_otel.file_exporter import OtlpJsonFileExporter
     from vllm_journey_otel.summary import format_text, summarize

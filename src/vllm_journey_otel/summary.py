@@ -92,6 +92,9 @@ class Summary:
     slowest: list[tuple[float, str, str, int]] = field(default_factory=list)
     # vllm.wait durations by reason.
     waits_ms: dict[str, list[float]] = field(default_factory=dict)
+    # Remote KV loads (remote_kv waits whose transfer end was reported).
+    kv_transfer_ms: list[float] = field(default_factory=list)
+    kv_transfer_failed: int = 0
     spec_requests: int = 0
     drafts_proposed: int = 0
     drafts_accepted: int = 0
@@ -124,6 +127,11 @@ class Summary:
                 "cached_input": self.cached_tokens,
             },
             "waits_ms": {reason: stats(v) for reason, v in sorted(self.waits_ms.items())},
+            "kv_transfer": (
+                {"ms": stats(self.kv_transfer_ms), "failed": self.kv_transfer_failed}
+                if self.kv_transfer_ms
+                else None
+            ),
             "speculative_decoding": (
                 {
                     "requests": self.spec_requests,
@@ -160,6 +168,11 @@ def summarize(spans: Iterable[FileSpan], top: int = 10) -> Summary:
             summary.waits_ms.setdefault(reason, []).append(
                 (span.end_unix_ns - span.start_unix_ns) / 1e6
             )
+            transfer = span.attributes.get(S.KV_TRANSFER_MS)
+            if isinstance(transfer, int | float):
+                summary.kv_transfer_ms.append(float(transfer))
+                if span.attributes.get(S.KV_TRANSFER_FAILED) is True:
+                    summary.kv_transfer_failed += 1
         elif span.name == S.SPAN_PREEMPTED:
             lost_by_parent[span.parent_span_id] = (
                 lost_by_parent.get(span.parent_span_id, 0.0)
@@ -207,6 +220,9 @@ def format_text(d: dict[str, Any]) -> str:
     rows = list(d["phases_ms"].items())
     # Waits inside the queue, one row per reason seen (e.g. "wait:lora_slot").
     rows += [(f"wait:{reason}", stats) for reason, stats in d.get("waits_ms", {}).items()]
+    kv = d.get("kv_transfer")
+    if kv:  # remote KV loads: the transfer part of wait:remote_kv
+        rows.append(("kv_transfer", kv["ms"]))
     width = max(12, *(len(name) + 2 for name, _ in rows))
     lines[3] = f"{'phase (ms)':<{width}}" + lines[3][12:]
     for name, stats in rows:
@@ -235,6 +251,10 @@ def format_text(d: dict[str, Any]) -> str:
             f"{spec['drafts_accepted']} of {spec['drafts_proposed']}"
             + (f" ({rate:.1%})" if rate is not None else "")
             + (f"; per request: median {per['p50']:.1%}, max {per['max']:.1%}" if per else "")
+        )
+    if kv:
+        lines.append(
+            f"remote KV loads: {kv['ms']['count']} reported done, {kv['failed']} of them failed"
         )
     if d["slowest"]:
         lines += ["", "slowest requests:", f"  {'ms':>10}  {'preempt':>7}  trace_id  request_id"]
