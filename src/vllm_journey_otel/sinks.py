@@ -233,6 +233,10 @@ class PipeSink:
         self._pending = b""
         self._pending_fd = -1
         self._pending_journeys = 0
+        # Journeys lost with a partial frame (its exporter went away): the
+        # pipeline never hears of them (``offer`` had returned True), so the next
+        # frames add them to the engine's drop count they carry.
+        self.lost_pending = 0
 
     @property
     def exporters(self) -> int:
@@ -315,7 +319,7 @@ class PipeSink:
         try:
             if self._pending:
                 return False  # the drain thread finishes the partial frame first
-            data = self._frame(batch, engine_dropped)
+            data = self._frame(batch, engine_dropped + self.lost_pending)
             for fd in self._rotation():
                 try:
                     n = os.write(fd, data)
@@ -329,9 +333,8 @@ class PipeSink:
                     self._pending, self._pending_fd = data[n:], fd
                     self._pending_journeys = len(batch)
                 return True
-            if self.broken:
-                self.failed += len(batch)
-                return True  # counted as failed; nothing to queue
+            # Declined: every pipe is full, or the last exporter just went away
+            # (then the drain thread's consume counts the batch as failed, once).
             return False
         finally:
             self._lock.release()
@@ -386,11 +389,15 @@ class PipeSink:
             return len(batch)
         with self._lock:
             if self._pending:
-                with contextlib.suppress(FrameLost):  # counted in ``failed``
-                    self._write_frame(*self._take_pending())
-            if batch:
+                data, journeys, fd = self._take_pending()
                 try:
-                    self._write_frame(self._frame(batch, engine_dropped), len(batch))
+                    self._write_frame(data, journeys, fd)
+                except FrameLost:
+                    self.lost_pending += journeys  # also in ``failed``
+            if batch:
+                frame = self._frame(batch, engine_dropped + self.lost_pending)
+                try:
+                    self._write_frame(frame, len(batch))
                 except FrameLost:
                     return len(batch)
         return 0
@@ -402,9 +409,11 @@ class PipeSink:
             return False
         with self._lock:
             if self._pending:
+                data, journeys, fd = self._take_pending()
                 try:
-                    return self._write_frame(*self._take_pending(), time.monotonic() + timeout_s)
+                    return self._write_frame(data, journeys, fd, time.monotonic() + timeout_s)
                 except FrameLost:
+                    self.lost_pending += journeys
                     return False
         return True
 
