@@ -822,6 +822,7 @@ def test_everything_on_leaves_outputs_unchanged() -> None:
         "_blocked_waits",
         "after_segment",
         "before_preempt",
+        "kv_transfers",
     ],
 )
 def test_failing_new_hook_leaves_outputs_unchanged(method: str, monkeypatch, caplog) -> None:

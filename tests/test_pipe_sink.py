@@ -193,34 +193,67 @@ def test_an_exporter_gone_in_the_middle_of_a_frame(pipes) -> None:  # type: igno
 
 def test_paced_reader_frames_split_anywhere_and_reads_spaced(pipes) -> None:  # type: ignore[no-untyped-def]
     """The exporter's paced read (sinks.read_frames with pace_s): frames cut at any
-    byte by the pipe come out whole and in order; after a read returns, the next
-    one waits out the pace (a writer meanwhile wakes nobody); a frame cut short
-    by end-of-file is dropped."""
+    byte by the pipe come out whole and in order, without waiting while one is
+    incomplete; once the reader has caught up, its next read waits out the pace
+    (a writer meanwhile wakes nobody); a frame cut short by end-of-file is dropped."""
     (r, w), _ = pipes
-    data = b"".join(PipeSink._frame(journeys(3, 10 * k), 0) for k in range(4))
+    frames = [PipeSink._frame(journeys(3, 10 * k), 0) for k in range(6)]
+    split = b"".join(frames[:4])
+    cut_a, cut_b = len(b"".join(frames[:2])) + 2, len(b"".join(frames[:3])) + 7
     got: list[tuple[float, list[str]]] = []
 
     def writer() -> None:
-        # Three bursts cut mid-header and mid-payload, then a truncated frame.
-        cuts = [0, 2, len(data) // 2 + 1, len(data)]
-        for a, b in itertools.pairwise(cuts):
-            os.write(w, data[a:b])
-            time.sleep(0.05)
+        # Frames 0-3 in three bursts cut mid-header and mid-payload, 20 ms apart;
+        # then, 50 ms later, frames 4-5 whole; then a truncated frame.
+        for a, b in itertools.pairwise([0, cut_a, cut_b, len(split)]):
+            os.write(w, split[a:b])
+            time.sleep(0.02)
+        time.sleep(0.05)
+        os.write(w, frames[4] + frames[5])
         os.write(w, PipeSink._frame(journeys(1, 99), 0)[:-3])
         os.close(w)
 
     t = threading.Thread(target=writer)
+    began = time.monotonic()
     t.start()
     with os.fdopen(os.dup(r), "rb") as f:
-        for frame in read_frames(f, pace_s=0.2):
-            got.append((time.monotonic(), [j.request_id for j in frame.journeys]))
+        for frame in read_frames(f, pace_s=0.3):
+            got.append((time.monotonic() - began, [j.request_id for j in frame.journeys]))
     t.join()
-    want = [f"req-{10 * k + i}" for k in range(4) for i in range(3)]
+    want = [f"req-{10 * k + i}" for k in range(6) for i in range(3)]
     assert [i for _, f in got for i in f] == want
-    # All three bursts were written within ~0.15 s; paced at 0.2 s, the frames
-    # came out of at most 3 reads (frames of one read: microseconds apart),
-    # spaced by at least the pace.
-    starts = [got[0][0]] + [b for (a, _), (b, _) in itertools.pairwise(got) if b - a > 0.1]
-    assert len(starts) <= 3
-    for a, b in itertools.pairwise(starts):
-        assert b - a >= 0.19
+    at = [t for t, _ in got]
+    # Frames 0-3: as their bytes came (no pause inside a frame), within ~0.05 s.
+    assert at[3] < 0.25
+    # Frames 4-5 were written at ~0.11 s; the reader, caught up after frame 3
+    # (~0.04 s), read again only after the pause: at >= 0.3 s, not at 0.11.
+    assert at[4] - at[3] >= 0.25
+
+
+def test_paced_reader_does_not_pause_inside_a_frame(pipes) -> None:  # type: ignore[no-untyped-def]
+    """A frame larger than the pipe arrives in pieces: the reader keeps reading
+    while a frame is incomplete instead of pausing after every piece."""
+    (r, w), _ = pipes
+    fcntl.fcntl(w, F_SETPIPE_SZ, 65536)
+    big = PipeSink._frame(journeys(4000), 0)
+    assert len(big) > 8 * 65536, "precondition: many pipe-fulls"
+    t = threading.Thread(target=lambda: (os.write(w, big), os.close(w)))
+    began = time.monotonic()
+    t.start()
+    with os.fdopen(os.dup(r), "rb") as f:
+        frames = [(time.monotonic(), frame) for frame in read_frames(f, pace_s=0.5)]
+    t.join()
+    ((at, frame),) = frames
+    assert len(frame.journeys) == 4000
+    assert at - began < 0.5  # one pause per piece would take seconds
+
+
+def test_reader_on_a_drained_non_blocking_pipe_returns(pipes) -> None:  # type: ignore[no-untyped-def]
+    """The exporter's last drain at SIGTERM: what is in the pipe comes out, then
+    the read ends instead of blocking (the writer is still open)."""
+    (r, w), _ = pipes
+    for k in range(2):
+        os.write(w, PipeSink._frame(journeys(2, 10 * k), 0))
+    os.set_blocking(r, False)
+    with os.fdopen(os.dup(r), "rb") as f:
+        assert ids(list(read_frames(f))) == ["req-0", "req-1", "req-10", "req-11"]

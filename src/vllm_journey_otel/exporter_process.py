@@ -18,6 +18,7 @@ converts the engine core's ``*_mono_ns`` stamps correctly (same host).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -89,11 +90,17 @@ def main(argv: list[str]) -> int:
     gate.install()
     sink = SpanSink(make_tracer_provider(attributes, health=health), health=health)
     tune_gc()
+    stdin = sys.stdin.buffer
     try:
-        for frame in read_frames(sys.stdin.buffer, READ_PACE_S):
+        for frame in read_frames(stdin, READ_PACE_S):
             sink.consume(frame.journeys, frame.engine_dropped)
     except SystemExit:
-        pass
+        # SIGTERM (a container or cgroup being stopped; vLLM itself ends us with
+        # end-of-file): what is already in the pipe is exported too.
+        with contextlib.suppress(Exception, SystemExit):
+            os.set_blocking(stdin.fileno(), False)
+            for frame in read_frames(stdin):
+                sink.consume(frame.journeys, frame.engine_dropped)
     except Exception:
         logger.warning("journey-otel exporter: bad input, stopping", exc_info=True)
     finally:

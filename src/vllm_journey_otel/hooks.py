@@ -582,11 +582,12 @@ class SchedulerTracker:
         (``finished_recving``) or failed (``failed_recving``) in this step's
         output. Read before the original runs: with vLLM's default
         ``kv_load_failure_policy="fail"`` it ends a failed request in there.
-        Only while requests wait for remote KV; O(loads reported)."""
+        Only with a KV connector and while some request is in a status wait
+        (grammar or remote KV); O(loads reported)."""
         kco = getattr(mro, "kv_connector_output", None)
         if kco is None:
             return
-        done = kco.finished_recving
+        done = getattr(kco, "finished_recving", None)
         bad = getattr(kco, "failed_recving", None)
         if not done and not bad:
             return
@@ -604,8 +605,14 @@ class SchedulerTracker:
             req, j, status = entry
             if waits.get(status) != _WAIT_REMOTE_KV:
                 continue
+            # vLLM fills PrefillStats at the first admission only: after a
+            # preemption its count is not this load's (not observed: -1).
             stats = getattr(req, "prefill_stats", None)
-            tokens = getattr(stats, "num_external_cached_tokens", -1) if stats is not None else -1
+            tokens = (
+                getattr(stats, "num_external_cached_tokens", -1)
+                if stats is not None and not req.num_preemptions
+                else -1
+            )
             failed = 1 if bad and rid in bad else (-1 if unknown else 0)
             j.kv_loaded(t, step, tokens if isinstance(tokens, int) else -1, failed)
 

@@ -256,7 +256,7 @@ ATTRIBUTES: Final[tuple[AttributeSpec, ...]] = (
         "remote_kv: load started to the connector reporting it done; absent if not reported",
     ),
     AttributeSpec(
-        KV_TRANSFER_TOKENS, (SPAN_WAIT,), "int", "remote_kv: prompt tokens the connector loaded"
+        KV_TRANSFER_TOKENS, (SPAN_WAIT,), "int", "remote_kv: prompt tokens the load was for"
     ),
     AttributeSpec(
         KV_TRANSFER_FAILED,

@@ -464,22 +464,30 @@ _READ_CHUNK = 1 << 20
 def read_frames(stream: IO[bytes], pace_s: float = 0.0) -> Any:
     """Yield decoded :class:`Frame` s from ``stream`` until end-of-file (exporter side).
 
-    ``pace_s`` > 0: the next read comes no sooner than ``pace_s`` after the last
-    one returned (handling its frames counts toward the pause). A writer whose reader is blocked in
-    ``read`` pays for waking it inside its ``write`` (~8-12 us instead of ~1 us
-    here, more when the woken reader takes the writer's core): paced, the
-    exporter is asleep or busy when the engine thread writes, and blocks in
+    ``pace_s`` > 0: after a read that left no partial frame and did not fill the
+    read buffer, the next read comes no sooner than ``pace_s`` after it returned
+    (handling its frames counts toward the pause). A writer whose reader is
+    blocked in ``read`` pays for waking it inside its ``write`` (~8-12 us instead
+    of ~1 us here, more when the woken reader takes the writer's core): paced,
+    the exporter is asleep or busy when the engine thread writes, and blocks in
     ``read`` (no CPU) only when nothing came during the pause. Frames wait at
-    most ``pace_s`` longer; a busy exporter (handling takes longer) never pauses,
-    so capacity is unchanged. A partial frame at end-of-file is dropped.
+    most ``pace_s`` longer; a busy exporter (handling takes longer, or a full
+    read) and a frame still arriving never pause, so capacity is unchanged. A
+    partial frame at end-of-file is dropped.
+
+    A non-blocking ``stream`` with nothing to read ends the iteration too (the
+    final drain at SIGTERM).
     """
     size_of = FRAME_HEADER.unpack_from
     header = FRAME_HEADER.size
     buf = bytearray()
     clock = time.monotonic
     while True:
-        chunk = stream.read1(_READ_CHUNK)  # type: ignore[attr-defined]
-        if not chunk:
+        try:
+            chunk = stream.read1(_READ_CHUNK)  # type: ignore[attr-defined]
+        except BlockingIOError:
+            return
+        if not chunk:  # end-of-file (None: non-blocking and empty)
             return
         read_at = clock()
         buf += chunk
@@ -491,11 +499,11 @@ def read_frames(stream: IO[bytes], pace_s: float = 0.0) -> Any:
             end = pos + header + size
             if len(buf) < end:
                 break
-            payload = bytes(buf[pos + header : end])
+            payload = buf[pos + header : end]
             pos = end
             yield DECODER.decode(payload)
         del buf[:pos]
-        if pace_s > 0:
+        if pace_s > 0 and not buf and len(chunk) < _READ_CHUNK:
             rest = read_at + pace_s - clock()
             if rest > 0:
                 time.sleep(rest)
