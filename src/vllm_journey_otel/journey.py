@@ -406,7 +406,8 @@ class RequestJourney:
         if target is None:
             bits = RNG.getrandbits  # not vLLM's seeded global random (rng.py)
             ids = self.root_ids = RootIds(bits(64), bits(64) or 1, bits(64) or 1)
-            headers = dict(self.trace_headers) if self.trace_headers else None
+            # The journey's own bounded copy, never changed after admission: shared.
+            headers = self.trace_headers
             target = self.link = LinkTarget(self.request_id, ids, headers)
         return target
 
@@ -618,7 +619,7 @@ class RequestJourney:
             last_token_mono_ns=last_token_mono_ns if output_tokens > 0 else None,
             priority=self.priority,
             lora_name=self.lora_name,
-            trace_headers=dict(self.trace_headers) if self.trace_headers else None,
+            trace_headers=self.trace_headers,  # our bounded copy (never changed)
             head_sampled=self.head_sampled,
             root_ids=self.root_ids,
             session=self.session,
