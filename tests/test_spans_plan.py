@@ -199,6 +199,35 @@ def test_finished_journey_roundtrips_through_msgspec() -> None:
     assert plan_spans(back, OFFSET) == plan_spans(fj, OFFSET)
 
 
+def test_finish_carries_every_field_to_its_place() -> None:
+    """finish() builds the record positionally: each field gets its own value
+    (every value below is distinct, so a swap of two fields fails)."""
+    tp = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
+    j = RequestJourney(
+        "rid-7", 1234.5, 10 * MS, 3, 77, 55, priority=4, lora_name="sql",
+        trace_headers={"traceparent": tp}, head_sampled=False, spec_decode=True, session=False,
+    )  # fmt: skip
+    j.scheduled(20 * MS, 4, 0, 50, 77, 0)
+    j.tokens(25 * MS, 5, 5)  # the first token
+    j.drafts_so_far(9, 6)
+    target = j.link_target()
+    fj = j.finish(30 * MS, 6, STATUS_ABORTED, "abort", 8, 29 * MS)
+    assert fj is not None
+    assert (fj.request_id, fj.arrival_time_s, fj.prompt_tokens, fj.max_tokens) == (
+        "rid-7", 1234.5, 77, 55
+    )  # fmt: skip
+    assert fj.admitted.t_mono_ns == 10 * MS and fj.admitted.step == 3
+    assert fj.end.t_mono_ns == 30 * MS and fj.end.step == 6
+    assert fj.end_prefill_chunks == 0 and [e.at.step for e in fj.events] == [4, 5]
+    assert (fj.status, fj.finish_reason, fj.output_tokens) == (STATUS_ABORTED, "abort", 8)
+    assert (fj.first_token_mono_ns, fj.last_token_mono_ns) == (25 * MS, 29 * MS)
+    assert (fj.priority, fj.lora_name) == (4, "sql")
+    assert fj.trace_headers == {"traceparent": tp}
+    assert (fj.head_sampled, fj.session, fj.spec_decode) == (False, False, True)
+    assert fj.root_ids == target.ids
+    assert (fj.drafts_proposed, fj.drafts_accepted) == (9, 6)
+
+
 def test_trace_headers_are_bounded_and_malformed_ones_make_a_root() -> None:
     from opentelemetry import trace
 

@@ -603,29 +603,31 @@ class RequestJourney:
             output_tokens = 0
         output_tokens += self.outputs_before
         end_chunks = self.prefill_chunks if self.state == RUNNING and not self.decoding else 0
+        # Positional, in field order (keywords cost ~0.25 us more per journey on
+        # the engine thread); tests/test_spans_plan.py round-trips every field.
         journey = FinishedJourney(
-            request_id=self.request_id,
-            arrival_time_s=self.arrival_time_s,
-            admitted=self.admitted,
-            events=self.events,
-            end=self._snap(t_mono_ns, step, output_tokens),
-            end_prefill_chunks=end_chunks,
-            status=status,
-            finish_reason=finish_reason,
-            prompt_tokens=self.prompt_tokens,
-            output_tokens=output_tokens,
-            max_tokens=self.max_tokens,
-            first_token_mono_ns=self.first_token_mono_ns,
-            last_token_mono_ns=last_token_mono_ns if output_tokens > 0 else None,
-            priority=self.priority,
-            lora_name=self.lora_name,
-            trace_headers=self.trace_headers,  # our bounded copy (never changed)
-            head_sampled=self.head_sampled,
-            root_ids=self.root_ids,
-            session=self.session,
-            spec_decode=self.spec_decode,
-            drafts_proposed=self.drafts_proposed,
-            drafts_accepted=self.drafts_accepted,
+            self.request_id,
+            self.arrival_time_s,
+            self.admitted,
+            self.events,
+            self._snap(t_mono_ns, step, output_tokens),
+            end_chunks,
+            status,
+            finish_reason,
+            self.prompt_tokens,
+            output_tokens,
+            self.max_tokens,
+            self.first_token_mono_ns,
+            last_token_mono_ns if output_tokens > 0 else None,
+            self.priority,
+            self.lora_name,
+            self.trace_headers,  # our bounded copy (never changed)
+            self.head_sampled,
+            self.root_ids,
+            self.session,
+            self.spec_decode,
+            self.drafts_proposed,
+            self.drafts_accepted,
         )
         self.state = FINISHED
         self.events = []
