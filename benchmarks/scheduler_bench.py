@@ -4,10 +4,17 @@ For each batch size (running requests), three engines run side by side in one
 process, interleaved block by block so machine noise hits all alike:
 
 * ``off``: the plugin's wrappers removed (vLLM's own methods);
+* ``off2``: a second engine with the plugin off, the A/A control: its ratio to
+  ``off`` is what this benchmark reads for two identical engines, so any other
+  ratio within that spread is not resolved;
 * ``on``: every journey recorded and exported (to an OTLP receiver in a child
   process... here: the detached exporter process with OTEL_TRACES_EXPORTER=none,
   so the engine side does all its real work: record, encode, pipe);
-* ``ratio0``: head sampling ratio 0 (only the tail rule's journeys exported);
+* ``ratio0``: head sampling ratio 0 with the default tail rule (every journey
+  still recorded; only preempted, errored and aborted ones exported);
+* ``ratio0_notail``: head sampling ratio 0 and no tail rule
+  (``VLLM_JOURNEY_OTEL_TAIL=none``): an unsampled request costs the sampling
+  decision and a missing-attribute check per hook;
 * ``steps`` (with ``--step-view``): as ``on``, plus the engine step view
   (``VLLM_JOURNEY_OTEL_STEPS=1``, every step recorded with links to its batch).
 
@@ -41,7 +48,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 import harness
 from vllm_journey_otel import hooks
 from vllm_journey_otel.config import Config
-from vllm_journey_otel.sampling import HeadSampler
+from vllm_journey_otel.sampling import HeadSampler, TailRule
 
 PROMPT = 64
 
@@ -106,16 +113,21 @@ def run(
     # keeps the sampler it was built with).
     hooks.unwrap()
     off = Driver("off", n, 1)
+    off2 = Driver("off2", n, 1)
     hooks.install(on_cfg, head=HeadSampler(parent_based=True, ratio=0.0))
     ratio0 = Driver("ratio0", n, 1)
-    hooks.install(on_cfg, head=HeadSampler())
+    no_tail = TailRule(preempted=False, error=False, aborted=False)
+    hooks.install(on_cfg, head=HeadSampler(parent_based=True, ratio=0.0), tail=no_tail)
+    ratio0_notail = Driver("ratio0_notail", n, 1)
+    hooks.install(on_cfg, head=HeadSampler(), tail=TailRule())
     on = Driver("on", n, 1)
-    drivers = [off, on, ratio0]
+    drivers = [off, off2, on, ratio0, ratio0_notail]
+    unwrapped = (off, off2)
     if step_view:
         hooks.install(Config(enabled=True, steps=True), head=HeadSampler())
         drivers.append(Driver("steps", n, 1))  # its tracker keeps the step view on
     for d in drivers:
-        if d is off:
+        if d in unwrapped:
             hooks.unwrap()
         else:
             hooks.install(on_cfg)
@@ -129,7 +141,7 @@ def run(
         k = b % len(drivers)
         order = drivers[k:] + drivers[:k]
         for d in order:
-            if d is off:
+            if d in unwrapped:
                 hooks.unwrap()
             else:
                 hooks.install(on_cfg)
