@@ -257,3 +257,41 @@ def test_reader_on_a_drained_non_blocking_pipe_returns(pipes) -> None:  # type: 
     os.set_blocking(r, False)
     with os.fdopen(os.dup(r), "rb") as f:
         assert ids(list(read_frames(f))) == ["req-0", "req-1", "req-10", "req-11"]
+
+
+def test_drop_warning_names_the_lever_of_each_sink(caplog: pytest.LogCaptureFixture) -> None:
+    """A full engine queue is logged with what to change: more exporter processes
+    when the pipes are full, the process mode when spans are built in-process."""
+    import logging
+
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from vllm_journey_otel.pipeline import JourneyPipeline
+    from vllm_journey_otel.provider import make_tracer_provider
+    from vllm_journey_otel.sinks import SpanSink
+
+    r, w = os.pipe()
+    sinks = [
+        PipeSink(w),
+        SpanSink(make_tracer_provider({}, exporters=[InMemorySpanExporter()], batch=False)),
+    ]
+    try:
+        for sink, lever in zip(
+            sinks,
+            ("VLLM_JOURNEY_OTEL_EXPORTER_PROCESSES", "VLLM_JOURNEY_OTEL_EXPORT_MODE=process"),
+            strict=True,
+        ):
+            caplog.clear()
+            pipeline = JourneyPipeline(sink, max_queue=2, start_thread=False)
+            for j in journeys(5):
+                pipeline.submit(j)
+            assert pipeline.dropped == 3 and pipeline.queued == 2
+            with caplog.at_level(logging.WARNING, logger="vllm.journey_otel"):
+                pipeline._report_drops()
+            messages = [m.getMessage() for m in caplog.records]
+            assert len(messages) == 1 and "3 finished journeys dropped so far" in messages[0]
+            assert lever in messages[0], messages[0]
+    finally:
+        for fd in (r, w):
+            with contextlib.suppress(OSError):
+                os.close(fd)

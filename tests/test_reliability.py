@@ -268,7 +268,10 @@ def test_exporter_stalled_engine_side_drops_counted_and_carried(  # type: ignore
             pipeline._report_drops()
         assert pipeline.dropped > 0, "the 1 MiB pipe and 64-slot queue must overflow"
         assert pipeline.queued <= 64
-        assert [r for r in caplog.records if "dropped so far" in r.getMessage()]
+        drops = [r.getMessage() for r in caplog.records if "dropped so far" in r.getMessage()]
+        assert drops, "a full queue is reported"
+        # The advice names the lever for an exporter that cannot keep up.
+        assert "VLLM_JOURNEY_OTEL_EXPORTER_PROCESSES" in drops[0], drops[0]
     finally:
         os.kill(sink.pid, signal.SIGCONT)
     pipeline.flush(10.0)  # now the queue (and the pending bytes) can go

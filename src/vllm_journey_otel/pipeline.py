@@ -117,10 +117,10 @@ class JourneyPipeline:
         now = time.monotonic()
         if dropped > self._dropped_logged and now - self._last_drop_log >= _DROP_LOG_PERIOD_S:
             logger.warning(
-                "journey-otel: %d finished journeys dropped so far (queue full at %d); "
-                "raise VLLM_JOURNEY_OTEL_QUEUE_SIZE or lower the sampling ratio",
+                "journey-otel: %d finished journeys dropped so far (queue full at %d); %s",
                 dropped,
                 self._max_queue,
+                self.sink.drop_advice,
             )
             self._dropped_logged = dropped
             self._last_drop_log = now

@@ -43,7 +43,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from . import schema as S
 from .clock import ClockAnchor
-from .config import logger
+from .config import EXPORT_MODE, EXPORTER_PROCESSES, QUEUE_SIZE, logger
 from .health import ExportHealth
 from .journey import Record, StepRecord
 from .spans import ROOT, PresetIdGenerator, emit_spans, plan_spans, plan_step, root_context
@@ -91,6 +91,10 @@ class Sink(Protocol):
     def shutdown(self, timeout_s: float) -> None:
         """Flush and release resources."""
 
+    @property
+    def drop_advice(self) -> str:
+        """What to change when the engine's queue overflows because this sink is behind."""
+
 
 class SpanSink:
     """Build spans in this process and hand them to the provider's processors."""
@@ -111,6 +115,13 @@ class SpanSink:
 
     def offer(self, batch: Sequence[Record], engine_dropped: int = 0) -> bool:
         return False  # building spans is not for the engine thread: always queue
+
+    @property
+    def drop_advice(self) -> str:
+        return (
+            f"building spans in this process cannot keep up: use {EXPORT_MODE}=process, "
+            f"lower the sampling ratio, or raise {QUEUE_SIZE} for bursts"
+        )
 
     @property
     def pending(self) -> bool:
@@ -312,6 +323,17 @@ class PipeSink:
     @property
     def pending(self) -> bool:
         return bool(self._pending)
+
+    @property
+    def drop_advice(self) -> str:
+        # Engine-side drops mean the pipes stayed full: the exporters are short
+        # of CPU (or stopped). A backend outage does not show here: the
+        # exporters keep reading and drop in their own span queues instead.
+        return (
+            f"the {len(self._fds)} exporter process(es) cannot keep up (one builds and "
+            f"exports ~3,500 journeys/s on a free core): raise {EXPORTER_PROCESSES}, "
+            f"lower the sampling ratio, or raise {QUEUE_SIZE} for bursts"
+        )
 
     def offer(self, batch: Sequence[Record], engine_dropped: int = 0) -> bool:
         if self.broken or not batch or not self._lock.acquire(blocking=False):
