@@ -146,6 +146,34 @@ def test_preempted_before_first_token_then_token_in_flight() -> None:
     assert plan[0].attributes[S.TTFT_MS] == pytest.approx(27.0, abs=1e-3)  # arrival(0) -> 27
 
 
+def test_tokens_returns_whether_a_first_token_is_still_awaited() -> None:
+    """The per-step caller drops a request from its watch list on tokens()'s answer:
+    it must be awaiting_token after the call, in every state."""
+    j = _journey()
+    seen = []
+
+    def tokens(t_ms: int, step: int, out: int) -> None:
+        got = j.tokens(t_ms * MS, step, out)
+        assert got == j.awaiting_token, (j.state, out)
+        seen.append(got)
+
+    tokens(11, 0, 0)  # queued: nothing awaited
+    j.scheduled(20 * MS, 1, 0, 50, 100, 0)
+    tokens(21, 1, 0)  # running, prefill chunk without a token
+    j.preempted(25 * MS, 2, 50, 0, 1.0, 1, 0)
+    tokens(26, 2, 0)  # preempted before any token: still awaited
+    tokens(27, 2, 1)  # the token of the step in flight: TTFT, nothing more awaited
+    j.scheduled(40 * MS, 5, 0, 101, 101, 1)
+    tokens(45, 5, 1)  # resumed, no new token in this cycle yet
+    tokens(50, 6, 2)  # the cycle's first token
+    tokens(55, 7, 3)  # decoding
+    assert seen == [False, True, True, False, True, False, False]
+    fj = j.finish(60 * MS, 8, STATUS_LENGTH, "length", 3, 55 * MS)
+    assert fj is not None
+    tokens(61, 8, 3)  # finished
+    assert fj.first_token_mono_ns == 27 * MS
+
+
 def test_transitions_out_of_order_are_ignored() -> None:
     j = _journey()
     j.preempted(11 * MS, 0, 0, 0, 0.5, 0, 0)  # queued: nothing to preempt

@@ -382,10 +382,12 @@ class SchedulerTracker:
             ):
                 awaiting[rid] = (req, j)
         for rid, (req, j) in awaiting.items():
-            n = nst.get(rid)
-            if n:
-                after = req.num_computed_tokens
-                j.stepped(step, after - n, after)
+            # Skips the cycles that started in this very step (stepped() would too).
+            if j.last_cycle_step != step:
+                n = nst.get(rid)
+                if n:
+                    after = req.num_computed_tokens
+                    j.stepped(step, after - n, after)
         if self.blocked:
             self._blocked_waits(t, step)
         if self.max_loras or self.has_connector:
@@ -634,8 +636,7 @@ class SchedulerTracker:
         step = self.step
         done = None
         for rid, (req, j) in awaiting.items():
-            j.tokens(t, step, req.num_output_tokens)
-            if not j.awaiting_token:
+            if not j.tokens(t, step, req.num_output_tokens):
                 if done is None:
                     done = [rid]
                 else:

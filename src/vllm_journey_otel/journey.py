@@ -494,11 +494,17 @@ class RequestJourney:
             self.prefill_chunks += 1
         self._progress(computed_after)
 
-    def tokens(self, t_mono_ns: int, step: int, output_tokens: int) -> None:
-        """Model output was processed; ``output_tokens`` is the request's total now."""
+    def tokens(self, t_mono_ns: int, step: int, output_tokens: int) -> bool:
+        """Model output was processed; ``output_tokens`` is the request's total now.
+
+        Returns :attr:`awaiting_token` after it (the per-step caller needs both:
+        one call instead of two)."""
         output_tokens += self.outputs_before
-        if self.state == RUNNING:
-            if not self.decoding and output_tokens > self.cycle_out_start:
+        state = self.state
+        if state == RUNNING:
+            if self.decoding:
+                return False
+            if output_tokens > self.cycle_out_start:
                 self.prefill_hwm = self.prompt_tokens
                 self.decoding = True
                 if self.first_token_mono_ns is None:
@@ -511,11 +517,17 @@ class RequestJourney:
                         self.drafts_accepted,
                     )
                 )
-        elif self.state == PREEMPTED and self.first_token_mono_ns is None and output_tokens > 0:
-            # Async scheduling: the token of a step that was in flight when the
-            # request was preempted. It is the request's first token (TTFT), but
-            # its cycle is over, so no decode span starts.
-            self.first_token_mono_ns = t_mono_ns
+                return False
+            return True
+        if state == PREEMPTED and self.first_token_mono_ns is None:
+            if output_tokens > 0:
+                # Async scheduling: the token of a step that was in flight when the
+                # request was preempted. It is the request's first token (TTFT), but
+                # its cycle is over, so no decode span starts.
+                self.first_token_mono_ns = t_mono_ns
+                return False
+            return True
+        return False
 
     def preempted(
         self,
