@@ -480,10 +480,20 @@ class RequestJourney:
         self.prefill_target = num_tokens
         self.cycle_out_start = output_tokens
         self.last_cycle_step = step
+        hwm = self.prefill_hwm
+        # _snap() and _progress() inlined: this runs for every cycle, cold.
         self.events.append(
-            Scheduled(self._snap(t_mono_ns, step, output_tokens), resume, computed_before)
+            Scheduled(
+                Snapshot(t_mono_ns, step, hwm, output_tokens, self.num_preemptions, False),
+                resume,
+                computed_before,
+            )
         )
-        self._progress(computed_after)
+        done = computed_after - self.input_offset
+        if done > self.prompt_tokens:
+            done = self.prompt_tokens
+        if done > hwm:
+            self.prefill_hwm = done
         return True
 
     def stepped(self, step: int, computed_before: int, computed_after: int) -> None:
@@ -511,7 +521,15 @@ class RequestJourney:
                     self.first_token_mono_ns = t_mono_ns
                 self.events.append(
                     FirstToken(
-                        self._snap(t_mono_ns, step, output_tokens),
+                        # _snap() inlined (decoding is now True)
+                        Snapshot(
+                            t_mono_ns,
+                            step,
+                            self.prefill_hwm,
+                            output_tokens,
+                            self.num_preemptions,
+                            True,
+                        ),
                         self.prefill_chunks,
                         self.drafts_proposed,
                         self.drafts_accepted,
@@ -622,7 +640,14 @@ class RequestJourney:
             self.arrival_time_s,
             self.admitted,
             self.events,
-            self._snap(t_mono_ns, step, output_tokens),
+            Snapshot(
+                t_mono_ns,
+                step,
+                self.prefill_hwm,
+                output_tokens,
+                self.num_preemptions,
+                self.decoding,
+            ),
             end_chunks,
             status,
             finish_reason,
