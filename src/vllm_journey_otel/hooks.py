@@ -56,6 +56,7 @@ from .compat import Support, check
 from .config import ALL_VARIABLES, EXPORT_MODE, MODE_PROCESS, Config, logger
 from .health import ExportHealth
 from .journey import (
+    PREEMPTED,
     RUNNING,
     STATUS_ABORTED,
     STATUS_ERROR,
@@ -77,6 +78,8 @@ _frame = sys._getframe
 _WAIT_LORA = S.WAIT_REASONS.index(S.WAIT_LORA_SLOT)
 _WAIT_STREAMING = S.WAIT_REASONS.index(S.WAIT_STREAMING_INPUT)
 _WAIT_REMOTE_KV = S.WAIT_REASONS.index(S.WAIT_REMOTE_KV)
+# A request status vLLM added after this was written: ended, reason unknown.
+_UNKNOWN_STATUS = (STATUS_ABORTED, "abort")
 # vLLM request statuses that mean "waiting for something specific" -> wait reason.
 _STATUS_WAITS = {
     "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR": S.WAIT_REASONS.index(S.WAIT_GRAMMAR),
@@ -669,10 +672,14 @@ class SchedulerTracker:
                 if j.state == RUNNING and j.decoding and rid in self.last_update_ids
                 else None
             )
-        j.tokens(t, self.step, out_tokens)
+        state = j.state
+        if (state == RUNNING and not j.decoding) or (
+            state == PREEMPTED and j.first_token_mono_ns is None
+        ):
+            j.tokens(t, self.step, out_tokens)  # a first token that came with the end
         if self.spec_from_vllm:
             _vllm_drafts(request, j)
-        status, reason = self.status_map.get(request.status, (STATUS_ABORTED, "abort"))
+        status, reason = self.status_map.get(request.status, _UNKNOWN_STATUS)
         finished = j.finish(t, self.step, status, reason, out_tokens, last)
         if finished is None:
             return
