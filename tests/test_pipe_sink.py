@@ -295,3 +295,43 @@ def test_drop_warning_names_the_lever_of_each_sink(caplog: pytest.LogCaptureFixt
         for fd in (r, w):
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+def test_drain_thread_leaves_the_queue_to_a_stepping_engine(pipes) -> None:  # type: ignore[no-untyped-def]
+    """The drain thread is a backstop: while the engine thread calls publish_due
+    and its offers go through, the queue is the engine's (a drain would take the
+    GIL from it and split its frames); after a declined offer, with bytes
+    pending, or when the engine stopped stepping, the drain thread takes over."""
+    from vllm_journey_otel.pipeline import PUBLISH_INTERVAL_NS, JourneyPipeline
+
+    r, w = pipes[0]
+    fcntl.fcntl(w, F_SETPIPE_SZ, 4096)
+    sink = PipeSink(w)
+    pipeline = JourneyPipeline(sink, start_thread=False)
+    t0 = time.monotonic_ns()
+    assert not pipeline.engine_hands_on(t0)  # the engine never called: drain
+    for j in journeys(2):
+        pipeline.submit(j)
+    pipeline.publish_due(t0)
+    assert pipeline.published == 2 and pipeline.queued == 0
+    # Journeys finished since: the engine hands them on at its next due step.
+    for j in journeys(2, start=2):
+        pipeline.submit(j)
+    assert pipeline.engine_hands_on(t0 + PUBLISH_INTERVAL_NS)
+    # The engine stopped calling (a step that takes seconds): drain.
+    assert not pipeline.engine_hands_on(t0 + 2 * PUBLISH_INTERVAL_NS)
+    # A full pipe: the engine's offer is declined, the drain thread must write.
+    for size in (1024, 1):  # writes up to PIPE_BUF are all or nothing: fill every byte
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                os.write(w, b"\0" * size)
+    pipeline.publish_due(t0 + PUBLISH_INTERVAL_NS)
+    assert pipeline.queued == 2, "declined: back in the queue"
+    assert not pipeline.engine_hands_on(t0 + PUBLISH_INTERVAL_NS)
+    # Room again and the next offer goes through: the engine's queue once more.
+    os.read(r, 1 << 16)
+    for j in journeys(1, start=4):
+        pipeline.submit(j)
+    pipeline.publish_due(t0 + 2 * PUBLISH_INTERVAL_NS)
+    assert pipeline.queued == 0 and pipeline.published == 5
+    assert pipeline.engine_hands_on(t0 + 2 * PUBLISH_INTERVAL_NS + 1)

@@ -3,9 +3,14 @@
 The engine thread calls :meth:`JourneyPipeline.submit` with a finished journey:
 one length check and one ``deque.append`` (atomic under the GIL), nothing else.
 When the queue is full the journey is dropped and counted, never blocking the
-engine. A daemon thread ("vllm-journey-otel") wakes every ``interval`` to move
-the queued journeys, in one batch, to the sink (``sinks.py``): an exporter
-process in ``process`` mode, or span building in this process in ``thread`` mode.
+engine. At the end of a step the engine thread hands the queue to the sink
+itself (``publish_due``: at most every ``PUBLISH_INTERVAL_NS``, only if that
+cannot block). A daemon thread ("vllm-journey-otel") wakes every ``interval``
+as the backstop: it moves the queued journeys, in one batch, to the sink
+(``sinks.py``: an exporter process in ``process`` mode, or span building in this
+process in ``thread`` mode) when the engine thread does not (its offer was
+declined, bytes of a frame are pending, it stopped stepping, or the sink never
+takes offers), and leaves the queue alone otherwise.
 
 Process: the engine-core process, created after fork/spawn. Thread-safety:
 ``submit`` is called by one thread (the engine thread); draining is serialised by
@@ -46,6 +51,11 @@ class JourneyPipeline:
         # Counters. ``dropped`` is written by the engine thread only; the others
         # by whichever thread holds the drain lock.
         self._last_publish_ns = 0
+        # Written by the engine thread in publish_due, read by the drain thread
+        # (engine monotonic clock): the engine's last call, and whether its last
+        # offer was declined.
+        self._engine_seen_ns = 0
+        self._declined = False
         self.dropped = 0
         self.published = 0
         self.exported = 0
@@ -77,6 +87,7 @@ class JourneyPipeline:
         drain thread. ``force`` skips the interval (the engine is about to idle:
         no later step would hand these on).
         """
+        self._engine_seen_ns = now_ns
         queue = self._queue
         if not queue or (not force and now_ns - self._last_publish_ns < PUBLISH_INTERVAL_NS):
             return
@@ -91,13 +102,33 @@ class JourneyPipeline:
             return
         if self.sink.offer(batch, self.dropped + self.failed):
             self.published += len(batch)
+            self._declined = False
         else:
             queue.extendleft(reversed(batch))
+            self._declined = True
 
     # -- drain thread ------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
+            if self.engine_hands_on():
+                with self._drain_lock:
+                    self._report_drops()
+                continue
             self.drain()
+
+    def engine_hands_on(self, now_ns: int | None = None) -> bool:
+        """Drain thread: whether the engine thread is stepping (it called
+        :meth:`publish_due` within two intervals) and its last offer went through,
+        with no partial frame left. Then whatever is queued is the engine's to
+        hand on within ``PUBLISH_INTERVAL_NS``, and the drain thread leaves it:
+        every drain takes the GIL from the engine thread, and would split the
+        engine's frames. Otherwise (offers declined, bytes pending, an engine
+        that stopped stepping or a sink that never takes offers) it drains.
+        """
+        if self._declined or self.sink.pending:
+            return False
+        now_ns = time.monotonic_ns() if now_ns is None else now_ns
+        return now_ns - self._engine_seen_ns < 2 * PUBLISH_INTERVAL_NS
 
     def drain(self) -> int:
         """Hand every queued journey to the sink, in one batch; returns how many."""
