@@ -12,7 +12,7 @@ receiver) and the exporter process.
         [--exporters K]
 
 Journeys are submitted in steps of 100, each followed by the engine thread's
-hand-off (``publish_due``: a frame at most every 10 ms, when a pipe has room).
+hand-off (``publish_due``: a frame at most every 25 ms, when a pipe has room).
 ``OFFERED_PER_S`` 0 (the default) offers as fast as the pipeline takes journeys
 without dropping any (the submit loop waits while more than 1,000 are queued):
 the figure is the capacity of the pipeline. A positive rate offers at that
@@ -277,6 +277,9 @@ def main() -> None:
                 "journeys_per_s_end_to_end": round(n / done_s),
                 "spans_expected": expected_spans,
                 "spans_received": got,
+                # Spans the exporter built and the SDK dropped (its queue full)
+                # or failed to send: the rate above counts only if this is 0.
+                "spans_lost": expected_spans - got,
                 "journeys_dropped_in_handoff": pipeline.dropped,
                 "journeys_failed_to_pipe": pipeline.failed,
                 "exporters_exited": exporters_exited,

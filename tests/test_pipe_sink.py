@@ -335,3 +335,39 @@ def test_drain_thread_leaves_the_queue_to_a_stepping_engine(pipes) -> None:  # t
     pipeline.publish_due(t0 + 2 * PUBLISH_INTERVAL_NS)
     assert pipeline.queued == 0 and pipeline.published == 5
     assert pipeline.engine_hands_on(t0 + 2 * PUBLISH_INTERVAL_NS + 1)
+
+
+def test_exporter_builds_no_faster_than_it_exports(monkeypatch, capfd) -> None:  # type: ignore[no-untyped-def]
+    """A backend slower than span building, with a small span queue: the exporter
+    process waits for room instead of letting the SDK drop single spans (which
+    left journeys with holes), so every span of every journey arrives."""
+    receiver = Receiver()
+    receiver.start_grpc()
+    receiver.delay_s = 0.02  # every export answered 20 ms late: ~2,500 spans/s at most
+    for key in list(os.environ):
+        if key.startswith("OTEL_"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
+    monkeypatch.setenv(
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{receiver.grpc_port}"
+    )
+    monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "200")
+    monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "50")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    try:
+        sink = PipeSink.start({"service.name": "room"})
+        assert sink.pid
+        batch = journeys(400)  # ~2,000 spans, ten times the queue, in one frame
+        assert sink.consume(batch) == 0
+        sink.shutdown(5)
+        expected = sum(len(plan_spans(j, 0)) for j in batch)
+        assert expected >= 10 * 200
+        # End-of-file: the exporter exports what it built, then exits.
+        _, alive = psutil.wait_procs([psutil.Process(sink.pid)], timeout=60)
+        assert not alive
+        assert len(receiver.spans()) == expected
+        err = capfd.readouterr().err
+        assert f"400 journeys received, {expected} spans built, {expected} exported" in err, err
+        assert "0 dropped from a full queue" in err and "export queue is full" not in err, err
+    finally:
+        receiver.stop()

@@ -27,10 +27,11 @@ import signal
 import sys
 from typing import Any
 
+from .backpressure import SpanQueueRoom, max_queue_size
 from .config import from_env, logger
 from .health import ExportHealth, SdkLogGate
 from .provider import make_tracer_provider
-from .sinks import READ_PACE_S, SpanSink, read_frames
+from .sinks import READ_PACE_S, Frame, SpanSink, read_frames
 
 # The exporter is not bound by vLLM's kill deadline; give the final export time.
 MIN_FINAL_FLUSH_S = 10.0
@@ -54,6 +55,20 @@ def tune_gc() -> None:
 
 def _on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(0)
+
+
+def consume(sink: SpanSink, frame: Frame, room: SpanQueueRoom | None) -> None:
+    """Build a frame's spans in chunks, each once the span queue has room for it
+    (``room``: backpressure.py; None at SIGTERM, where the deadline comes first)."""
+    journeys = frame.journeys
+    if room is None:
+        sink.consume(journeys, frame.engine_dropped)
+        return
+    size = room.chunk
+    for i in range(0, len(journeys), size):
+        chunk = journeys[i : i + size] if len(journeys) > size else journeys
+        room.wait(len(chunk))
+        sink.consume(chunk, frame.engine_dropped)
 
 
 _CERTIFICATE_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", "OTEL_EXPORTER_OTLP_CERTIFICATE")
@@ -89,18 +104,19 @@ def main(argv: list[str]) -> int:
     gate = SdkLogGate(health)
     gate.install()
     sink = SpanSink(make_tracer_provider(attributes, health=health), health=health)
+    room = SpanQueueRoom(health, max_queue_size())
     tune_gc()
     stdin = sys.stdin.buffer
     try:
         for frame in read_frames(stdin, READ_PACE_S):
-            sink.consume(frame.journeys, frame.engine_dropped)
+            consume(sink, frame, room)
     except SystemExit:
         # SIGTERM (a container or cgroup being stopped; vLLM itself ends us with
         # end-of-file): what is already in the pipe is exported too.
         with contextlib.suppress(Exception, SystemExit):
             os.set_blocking(stdin.fileno(), False)
             for frame in read_frames(stdin):
-                sink.consume(frame.journeys, frame.engine_dropped)
+                consume(sink, frame, None)
     except Exception:
         logger.warning("journey-otel exporter: bad input, stopping", exc_info=True)
     finally:
@@ -110,6 +126,14 @@ def main(argv: list[str]) -> int:
         # One line for the operator: what this run delivered and what it lost.
         level = logging.WARNING if lost else logging.INFO if health.journeys else logging.DEBUG
         logger.log(level, "journey-otel exporter: %s", health.summary())
+        if room.waited_s >= 1.0 or room.stalls:
+            # Export was the bottleneck: the engine side's queue took the excess.
+            logger.info(
+                "journey-otel exporter: waited %.1f s in all for room in the span queue "
+                "(export slower than span building)%s",
+                room.waited_s,
+                f"; export stuck {room.stalls} time(s)" if room.stalls else "",
+            )
     return 0
 
 

@@ -72,6 +72,17 @@ class ExportHealth:
         """Spans built here that did not reach the backend (failed or dropped)."""
         return self.spans_failed + self.spans_dropped
 
+    @property
+    def backlog(self) -> int:
+        """Spans built and not yet exported, failed or dropped: in the batch
+        processor's queue or in the export under way (live, may be a span off)."""
+        return self.spans_built - self.spans_exported - self.spans_failed - self.spans_dropped
+
+    @property
+    def in_outage(self) -> bool:
+        """An export failed and none has succeeded since."""
+        return self._outage_since is not None
+
     # -- export results (BatchSpanProcessor worker thread) -------------------
     def exported(self, n: int, endpoint: str) -> None:
         self.spans_exported += n

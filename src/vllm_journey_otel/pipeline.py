@@ -29,7 +29,8 @@ from .sinks import Sink
 
 _DROP_LOG_PERIOD_S = 60.0
 # The engine thread hands finished journeys on at most this often (publish_due).
-PUBLISH_INTERVAL_NS = 10_000_000
+# The exporter's paced read (sinks.READ_PACE_S) is twice this.
+PUBLISH_INTERVAL_NS = 25_000_000
 
 
 class JourneyPipeline:
@@ -81,11 +82,13 @@ class JourneyPipeline:
 
         With the exporter pipe this is one msgspec encode and one non-blocking
         write, no thread hand-off (waking a thread costs the engine thread a GIL
-        switch), so finished journeys leave the engine core within about 10 ms:
-        a SIGKILL of the engine core right after a response (vLLM's default
-        shutdown) loses at most that. Whatever is declined or left waits for the
-        drain thread. ``force`` skips the interval (the engine is about to idle:
-        no later step would hand these on).
+        switch), so finished journeys leave the engine core within about 25 ms
+        under load, and at once when the engine is about to idle: an abrupt
+        kill of a busy engine core loses at most the last 25 ms. (Every 10 ms
+        cost ~0.8 us more per journey on the engine thread, docs/performance.md:
+        a frame has a fixed cost, cold, and more journeys share it.) Whatever
+        is declined or left waits for the drain thread. ``force`` skips the
+        interval (the engine is about to idle: no later step would hand these on).
         """
         self._engine_seen_ns = now_ns
         queue = self._queue

@@ -218,7 +218,7 @@ class PipeSink:
     With several exporters (one exporter process builds and encodes ~3,500
     journeys a second; docs/performance.md), each frame goes to the one that has
     been sent the fewest bytes so far, the next one if that pipe is full: frames
-    differ in size (a 10 ms hand-off from the engine thread vs. a drain of the
+    differ in size (a 25 ms hand-off from the engine thread vs. a drain of the
     queue), so plain turns would load one exporter with all the big ones. If
     every pipe is full, or the drain thread is writing, the offer is declined and
     the journeys take the queue; bytes an offer could only partly write are
@@ -478,8 +478,11 @@ def _launch(argv: list[str], env: dict[str, str], python: str | None) -> tuple[i
     return write_fd, int(pid_text) if pid_text.strip().isdigit() else None
 
 
-# The exporter reads the pipe at most this often while journeys keep coming.
-READ_PACE_S = 0.02
+# The exporter reads the pipe at most this often while journeys keep coming:
+# twice the engine's hand-off interval (pipeline.PUBLISH_INTERVAL_NS), so a
+# read mostly finds a frame waiting and the reader is rarely blocked in read()
+# when the engine thread writes.
+READ_PACE_S = 0.05
 _READ_CHUNK = 1 << 20
 
 
