@@ -127,7 +127,7 @@ def test_outage_and_overflow_are_counted_reported_once_and_recovered(
     assert failed > 0 and dropped > 0, "the outage must have cost spans"
     assert built == exported + failed + dropped, "every span accounted for"
     assert exported == len(receiver.spans())
-    print(f"outage: {built} spans built = {exported} exported + {failed} failed + {dropped} dropped")
+    print(f"outage: {built} built = {exported} exported + {failed} failed + {dropped} dropped")
 
     # The journeys after the outage say what the tracer lost before them.
     after = _roots(receiver, "after")
