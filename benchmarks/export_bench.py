@@ -277,8 +277,8 @@ def main() -> None:
                 "journeys_per_s_end_to_end": round(n / done_s),
                 "spans_expected": expected_spans,
                 "spans_received": got,
-                # Spans the exporter built and the SDK dropped (its queue full)
-                # or failed to send: the rate above counts only if this is 0.
+                # Spans that did not arrive, lost at any stage (hand-off, pipe,
+                # the exporter's span queue, export): the rate counts only if 0.
                 "spans_lost": expected_spans - got,
                 "journeys_dropped_in_handoff": pipeline.dropped,
                 "journeys_failed_to_pipe": pipeline.failed,

@@ -7,12 +7,15 @@ import pytest
 
 from vllm_journey_otel.backpressure import (
     POLL_S,
+    SDK_MAX_BATCH,
     SDK_MAX_QUEUE,
     STALL_S,
     SpanQueueRoom,
-    max_queue_size,
+    bsp_sizes,
+    spans_of,
 )
 from vllm_journey_otel.health import ExportHealth
+from vllm_journey_otel.spans import plan_spans
 
 
 class Worker:
@@ -51,63 +54,186 @@ def _health(built: int) -> ExportHealth:
 def test_waits_until_the_chunk_fits_while_export_works() -> None:
     health = _health(built=1000)
     worker = Worker(health, per_poll=50)
-    room = SpanQueueRoom(health, max_queue=1000, clock=worker.clock, sleep=worker.sleep)
-    room.wait(10)  # needs 160 spans of room: the backlog must fall to 840
+    room = SpanQueueRoom(health, 1000, 100, clock=worker.clock, sleep=worker.sleep)
+    room.wait(160)  # 160 spans of room: the backlog must fall to 840
     assert health.backlog <= 1000 - 160
     assert worker.polls == 4 and room.waited_s == pytest.approx(4 * POLL_S)
     polls = worker.polls
-    room.wait(10)  # room now: no wait
+    room.wait(160)  # room now: no wait
     assert worker.polls == polls
 
 
 def test_never_waits_in_an_outage_or_without_an_exporter() -> None:
     health = _health(built=1000)
     worker = Worker(health, per_poll=100, fail=True)
-    room = SpanQueueRoom(health, max_queue=1000, clock=worker.clock, sleep=worker.sleep)
-    room.wait(10)  # the first poll's export fails: outage, stop waiting
+    room = SpanQueueRoom(health, 1000, 100, clock=worker.clock, sleep=worker.sleep)
+    room.wait(160)  # the first poll's export fails: outage, stop waiting
     assert worker.polls == 1 and health.in_outage
-    room.wait(10)
+    room.wait(160)
     assert worker.polls == 1, "in an outage the queue drops as before; nobody waits"
     health.exported(1, "test")  # it works again: waiting resumes
     assert not health.in_outage
-    room.wait(10)
+    room.wait(160)
     assert worker.polls > 1
 
     quiet = ExportHealth()  # OTEL_TRACES_EXPORTER=none: nothing is ever exported
     quiet.spans_built = 10_000
     idle = Worker(quiet)
-    SpanQueueRoom(quiet, 100, clock=idle.clock, sleep=idle.sleep).wait(10)
+    SpanQueueRoom(quiet, 100, 10, clock=idle.clock, sleep=idle.sleep).wait(16)
     assert idle.polls == 0
 
 
 def test_a_stuck_export_is_waited_for_once_then_not_until_it_moves() -> None:
     health = _health(built=1000)
     worker = Worker(health, per_poll=0)  # an export that never returns
-    room = SpanQueueRoom(health, max_queue=1000, clock=worker.clock, sleep=worker.sleep)
-    room.wait(10)
+    room = SpanQueueRoom(health, 1000, 100, clock=worker.clock, sleep=worker.sleep)
+    room.wait(160)
     assert room.stalls == 1 and worker.now == pytest.approx(STALL_S, abs=2 * POLL_S)
     polls = worker.polls
-    room.wait(10)
+    room.wait(160)
     assert worker.polls == polls, "stuck: no second wait of STALL_S per chunk"
     health.exported(1, "test")  # the export returned: waiting applies again
     worker.per_poll = 100
-    room.wait(10)
+    room.wait(160)
     assert worker.polls > polls and health.backlog <= 1000 - 160
 
 
-def test_a_queue_smaller_than_the_chunk_never_deadlocks() -> None:
-    health = _health(built=0)
+def test_the_backlog_may_reach_a_batch_so_the_sdk_worker_wakes() -> None:
+    """The SDK's worker exports when its queue holds a full batch (else only on
+    its timer): waiting below that would make export run on the timer alone.
+    A queue of 2,048 with the exporter's 2,048-span batches (a user who set
+    only OTEL_BSP_MAX_QUEUE_SIZE) must not wait at half the queue."""
+    health = _health(built=1500)  # queued, below a batch: the worker sleeps
     worker = Worker(health, per_poll=1)
-    room = SpanQueueRoom(health, max_queue=40, clock=worker.clock, sleep=worker.sleep)
-    room.wait(64)  # asks at most half the queue: an empty queue always fits
+    room = SpanQueueRoom(health, 2048, 2048, clock=worker.clock, sleep=worker.sleep)
+    assert room.budget == 16, "a chunk still brings something"
+    room.wait(16)
     assert worker.polls == 0
-    health.spans_built = 40
-    room.wait(64)
-    assert health.backlog <= 20
+    health.spans_built = 2048 + 16  # a batch in flight and more queued
+    worker.per_poll = 1024  # the batch's export returns
+    room.wait(16)
+    assert worker.polls == 1 and health.backlog <= 2048
 
 
-def test_queue_size_read_as_the_sdk_reads_it() -> None:
-    assert max_queue_size({}) == SDK_MAX_QUEUE
-    assert max_queue_size({"OTEL_BSP_MAX_QUEUE_SIZE": "32768"}) == 32768
-    assert max_queue_size({"OTEL_BSP_MAX_QUEUE_SIZE": "lots"}) == SDK_MAX_QUEUE
-    assert max_queue_size({"OTEL_BSP_MAX_QUEUE_SIZE": "0"}) == SDK_MAX_QUEUE
+def test_chunk_budget_is_the_queue_above_one_batch() -> None:
+    h = ExportHealth()
+    assert SpanQueueRoom(h, 32768, 2048).budget == 32768 - 2048
+    assert SpanQueueRoom(h, 200, 50).budget == 150
+    assert SpanQueueRoom(h, 40, 10).budget == 30
+
+
+def test_spans_of_bounds_the_plan_of_every_journey_shape() -> None:
+    """The chunking counts on spans_of() being at least what spans.py builds."""
+    from vllm_journey_otel.journey import STATUS_ABORTED, STATUS_LENGTH, RequestJourney
+
+    shapes = []
+    for preemptions in (0, 1, 5):
+        j = RequestJourney("r", 0.0, 10, 0, 100, 64)
+        j.wait_began(11, 0, 0)
+        j.wait_ended(12, 0)
+        step = 1
+        for _ in range(preemptions):
+            j.scheduled(20 * step, step, 0, 50, 100, 0)
+            j.stepped(step + 1, 50, 100)
+            j.tokens(20 * step + 5, step + 1, 1)
+            j.preempted(20 * step + 9, step + 2, 100, 1, 0.9, 8, 3)
+            step += 3
+        j.scheduled(20 * step, step, 0, 100, 101, 1)
+        j.tokens(20 * step + 5, step, 2)
+        shapes.append(j.finish(20 * step + 9, step + 1, STATUS_LENGTH, "length", 9, 20 * step))
+    queued = RequestJourney("q", 0.0, 10, 0, 100, 64)
+    shapes.append(queued.finish(30, 2, STATUS_ABORTED, "abort", 0, None))
+    for fj in shapes:
+        assert fj is not None
+        assert spans_of(fj) >= len(plan_spans(fj, 0)), len(fj.events)
+
+
+def test_queue_and_batch_read_as_the_sdk_reads_them() -> None:
+    assert bsp_sizes({}) == (SDK_MAX_QUEUE, SDK_MAX_BATCH)
+    env = {"OTEL_BSP_MAX_QUEUE_SIZE": "32768", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "2048"}
+    assert bsp_sizes(env) == (32768, 2048)
+    assert bsp_sizes({"OTEL_BSP_MAX_QUEUE_SIZE": "lots"}) == (SDK_MAX_QUEUE, SDK_MAX_BATCH)
+    assert bsp_sizes({"OTEL_BSP_MAX_QUEUE_SIZE": "0"}) == (SDK_MAX_QUEUE, SDK_MAX_BATCH)
+    assert bsp_sizes({"OTEL_BSP_MAX_QUEUE_SIZE": "100"}) == (100, 100)  # batch <= queue
+
+
+def _frame_of(n: int):  # type: ignore[no-untyped-def]
+    import time as _time
+
+    from vllm_journey_otel.journey import STATUS_LENGTH, RequestJourney
+    from vllm_journey_otel.sinks import Frame
+
+    out = []
+    base = _time.monotonic_ns()
+    for i in range(n):
+        t = base + i * 1_000_000
+        j = RequestJourney(f"req-{i}", _time.time(), t, i, 100, 8)
+        j.scheduled(t + 1_000, i, 0, 100, 100, 0)
+        j.tokens(t + 2_000, i, 1)
+        out.append(j.finish(t + 3_000, i, STATUS_LENGTH, "length", 8, t + 3_000))
+    return Frame(out, 0)
+
+
+class Recording:
+    """A real SpanSink (in-memory exporter) whose consume calls are recorded."""
+
+    def __init__(self, on_first=None) -> None:  # type: ignore[no-untyped-def]
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+            InMemorySpanExporter,
+        )
+
+        from vllm_journey_otel.provider import make_tracer_provider
+        from vllm_journey_otel.sinks import SpanSink
+
+        self.memory = InMemorySpanExporter()
+        self.sink = SpanSink(make_tracer_provider({}, exporters=[self.memory], batch=False))
+        self.chunks: list[list[str]] = []
+        self.on_first = on_first
+        orig = self.sink.consume
+
+        def consume(batch, engine_dropped=0, deadline=None):  # type: ignore[no-untyped-def]
+            self.chunks.append([j.request_id for j in batch])
+            if self.on_first is not None and len(self.chunks) == 1:
+                self.on_first()
+            return orig(batch, engine_dropped, deadline)
+
+        self.sink.consume = consume  # type: ignore[method-assign]
+
+
+def test_a_frame_is_built_in_chunks_that_fit_the_queue_above_a_batch() -> None:
+    from vllm_journey_otel.exporter_process import consume
+
+    rec = Recording()
+    room = SpanQueueRoom(rec.sink.health, 200, 50)  # budget 150 spans
+    frame = _frame_of(100)  # 100 journeys of 5 spans each (spans_of: 6)
+    consume(rec.sink, frame, room)  # type: ignore[arg-type]
+    assert [i for c in rec.chunks for i in c] == [f"req-{i}" for i in range(100)]
+    assert all(sum(spans_of(j) for j in frame.journeys if j.request_id in c) <= 150
+               for c in map(set, rec.chunks))  # fmt: skip
+    assert len(rec.chunks) == 4  # 25 journeys (150 spans) per chunk
+    assert len(rec.memory.get_finished_spans()) == sum(
+        len(plan_spans(j, 0)) for j in frame.journeys
+    )
+
+
+def test_sigterm_while_building_finishes_the_frame_then_exits() -> None:
+    """A SIGTERM in the middle of a frame (typically while waiting for room) no
+    longer throws the rest of the frame away: the frame is built, then the
+    process exits as on any SIGTERM."""
+    import signal
+
+    from vllm_journey_otel import exporter_process as ep
+
+    rec = Recording(on_first=lambda: ep._on_sigterm(signal.SIGTERM, None))
+    room = SpanQueueRoom(rec.sink.health, 200, 50, stopping=lambda: ep._Term.requested)
+    frame = _frame_of(100)
+    try:
+        with pytest.raises(SystemExit):
+            ep.consume(rec.sink, frame, room)  # type: ignore[arg-type]
+        assert [i for c in rec.chunks for i in c] == [f"req-{i}" for i in range(100)]
+        assert rec.sink.health.journeys == 100
+        # Outside a frame, SIGTERM raises at once (the read loop then drains the pipe).
+        with pytest.raises(SystemExit):
+            ep._on_sigterm(signal.SIGTERM, None)
+    finally:
+        ep._Term.requested = False

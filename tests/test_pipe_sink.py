@@ -371,3 +371,106 @@ def test_exporter_builds_no_faster_than_it_exports(monkeypatch, capfd) -> None: 
         assert "0 dropped from a full queue" in err and "export queue is full" not in err, err
     finally:
         receiver.stop()
+
+
+def test_flush_keeps_its_deadline_when_the_exporter_does_not_read(pipes) -> None:  # type: ignore[no-untyped-def]
+    """Scheduler.shutdown and atexit flush with a deadline: an exporter that reads
+    slowly (waiting for a slow backend) or not at all must not hold them past it."""
+    from vllm_journey_otel.pipeline import JourneyPipeline
+
+    r, w = pipes[0]
+    fcntl.fcntl(w, F_SETPIPE_SZ, 4096)
+    pipeline = JourneyPipeline(PipeSink(w), start_thread=False)
+    for j in journeys(2000):
+        pipeline.submit(j)
+    began = time.monotonic()
+    assert not pipeline.flush(0.3)
+    assert time.monotonic() - began < 2.0
+    # The rest of the frame is pending, counted as neither exported nor failed yet;
+    # a second flush with the pipe still full gives up in time too.
+    assert pipeline.sink.pending
+    began = time.monotonic()
+    assert not pipeline.flush(0.2)
+    assert time.monotonic() - began < 2.0
+    # The reader catches up: everything arrives, once, in order.
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.extend(ids(read_all(r))))
+    reader.start()
+    assert pipeline.flush(10.0)
+    pipeline.shutdown(5.0)
+    reader.join(10)
+    assert got == [f"req-{i}" for i in range(2000)]
+
+
+def test_drain_thread_is_a_backstop_in_action_and_survives_errors(pipes) -> None:  # type: ignore[no-untyped-def]
+    """While the engine thread publishes and its offers go through, the drain
+    thread (every 10 ms here) writes nothing; once the engine stops stepping it
+    takes what is queued. An error in a drain is logged and the thread goes on."""
+    from vllm_journey_otel.pipeline import JourneyPipeline
+
+    r, w = pipes[0]
+    sink = PipeSink(w)
+    orig = sink.consume
+    calls = {"n": 0}
+
+    def consume(batch, engine_dropped=0, deadline=None):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("a bug of ours in the first drain")
+        return orig(batch, engine_dropped, deadline)
+
+    sink.consume = consume  # type: ignore[method-assign]
+    reader_got: list[str] = []
+    reader = threading.Thread(target=lambda: reader_got.extend(ids(read_all(r))))
+    reader.start()
+    pipeline = JourneyPipeline(sink, interval_s=0.01)
+    try:
+        batch = journeys(60)
+        end = time.monotonic() + 0.4
+        k = 0
+        while time.monotonic() < end:  # a stepping engine: a journey and a step every 5 ms
+            if k < 40:
+                pipeline.submit(batch[k])
+                k += 1
+            pipeline.publish_due(time.monotonic_ns())
+            time.sleep(0.005)
+        assert pipeline.published >= 30 and pipeline.exported == 0 and calls["n"] == 0
+        # The engine stops stepping with journeys queued: the drain thread takes
+        # them. Its first attempt raises: those journeys are counted as failed,
+        # the thread goes on and takes the next ones.
+        for j in batch[40:50]:
+            pipeline.submit(j)
+        wait_until(lambda: pipeline.failed == 10 or None, 5, 0.01, "the failed drain")
+        for j in batch[50:]:
+            pipeline.submit(j)
+        wait_until(lambda: pipeline.exported == 10 or None, 5, 0.01, "the next drain")
+        assert pipeline._thread is not None and pipeline._thread.is_alive()
+    finally:
+        pipeline.shutdown(5.0)
+        reader.join(10)
+    lost = {j.request_id for j in batch[40:50]}
+    assert sorted(reader_got) == sorted(j.request_id for j in batch if j.request_id not in lost)
+
+
+def test_thread_mode_engine_thread_never_offers() -> None:
+    """Span building in the engine core (thread mode) is the drain thread's: the
+    engine thread's publish_due returns at once instead of popping the queue and
+    putting it back every interval."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from vllm_journey_otel.pipeline import JourneyPipeline
+    from vllm_journey_otel.provider import make_tracer_provider
+    from vllm_journey_otel.sinks import SpanSink
+
+    memory = InMemorySpanExporter()
+    sink = SpanSink(make_tracer_provider({}, exporters=[memory], batch=False))
+    pipeline = JourneyPipeline(sink, start_thread=False)
+    batch = journeys(3)
+    for j in batch:
+        pipeline.submit(j)
+    first = pipeline._queue[0]
+    pipeline.publish_due(time.monotonic_ns(), force=True)
+    assert pipeline.queued == 3 and pipeline._queue[0] is first and pipeline.published == 0
+    assert not pipeline.engine_hands_on(), "the drain thread must do the work"
+    assert pipeline.drain() == 3 and pipeline.exported == 3
+    assert len(memory.get_finished_spans()) == sum(len(plan_spans(j, 0)) for j in batch)

@@ -27,7 +27,7 @@ import signal
 import sys
 from typing import Any
 
-from .backpressure import SpanQueueRoom, max_queue_size
+from .backpressure import SpanQueueRoom, bsp_sizes, spans_of
 from .config import from_env, logger
 from .health import ExportHealth, SdkLogGate
 from .provider import make_tracer_provider
@@ -53,22 +53,46 @@ def tune_gc() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
+class _Term:
+    """SIGTERM while a frame is being built is noted, not raised: raising there
+    would lose the rest of the frame uncounted (or build part of it twice)."""
+
+    building = False
+    requested = False
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
+    if _Term.building:
+        _Term.requested = True
+        return
     raise SystemExit(0)
 
 
 def consume(sink: SpanSink, frame: Frame, room: SpanQueueRoom | None) -> None:
     """Build a frame's spans in chunks, each once the span queue has room for it
-    (``room``: backpressure.py; None at SIGTERM, where the deadline comes first)."""
+    (``room``: backpressure.py; None at SIGTERM, where the deadline comes first).
+    A SIGTERM meanwhile stops the waiting; the frame is finished, then the
+    process exits as on any SIGTERM (SystemExit)."""
     journeys = frame.journeys
     if room is None:
         sink.consume(journeys, frame.engine_dropped)
         return
-    size = room.chunk
-    for i in range(0, len(journeys), size):
-        chunk = journeys[i : i + size] if len(journeys) > size else journeys
-        room.wait(len(chunk))
-        sink.consume(chunk, frame.engine_dropped)
+    _Term.building = True
+    try:
+        start = need = 0
+        for i, record in enumerate(journeys):
+            n = spans_of(record)
+            if need and need + n > room.budget:
+                room.wait(need)
+                sink.consume(journeys[start:i], frame.engine_dropped)
+                start, need = i, 0
+            need += n
+        room.wait(need)
+        sink.consume(journeys[start:] if start else journeys, frame.engine_dropped)
+    finally:
+        _Term.building = False
+    if _Term.requested:
+        raise SystemExit(0)
 
 
 _CERTIFICATE_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", "OTEL_EXPORTER_OTLP_CERTIFICATE")
@@ -104,7 +128,7 @@ def main(argv: list[str]) -> int:
     gate = SdkLogGate(health)
     gate.install()
     sink = SpanSink(make_tracer_provider(attributes, health=health), health=health)
-    room = SpanQueueRoom(health, max_queue_size())
+    room = SpanQueueRoom(health, *bsp_sizes(), stopping=lambda: _Term.requested)
     tune_gc()
     stdin = sys.stdin.buffer
     try:

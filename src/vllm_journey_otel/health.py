@@ -127,10 +127,12 @@ class ExportHealth:
         now = time.monotonic()
         first = self._dropped_reported == 0
         if first or now - self._last_drop_report >= self._period_s:
+            # Span building waits for room while export works (backpressure.py),
+            # so the queue overflows while export fails or is stuck.
             logger.warning(
                 "journey-otel: the span export queue is full, spans are dropped "
-                "(%d so far); the backend is slower than the traffic: raise "
-                "OTEL_BSP_MAX_QUEUE_SIZE or lower the sampling ratio",
+                "(%d so far) while export fails or is stuck; a larger "
+                "OTEL_BSP_MAX_QUEUE_SIZE rides out longer outages (~3-5 KB a span)",
                 self.spans_dropped,
             )
             self._dropped_reported = self.spans_dropped

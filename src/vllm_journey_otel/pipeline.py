@@ -56,13 +56,16 @@ class JourneyPipeline:
         # (engine monotonic clock): the engine's last call, and whether its last
         # offer was declined.
         self._engine_seen_ns = 0
-        self._declined = False
+        # A sink that never takes offers (span building in this process): the
+        # drain thread does all the work, the engine thread none.
+        self._offers = sink.takes_offers
+        self._declined = not self._offers
         self.dropped = 0
         self.published = 0
         self.exported = 0
         self.failed = 0
         self._dropped_logged = 0
-        self._last_drop_log = 0.0
+        self._last_drop_log = -_DROP_LOG_PERIOD_S  # the first drop is reported at once
         self._thread: threading.Thread | None = None
         if start_thread:
             self._thread = threading.Thread(target=self._run, name="vllm-journey-otel", daemon=True)
@@ -92,7 +95,11 @@ class JourneyPipeline:
         """
         self._engine_seen_ns = now_ns
         queue = self._queue
-        if not queue or (not force and now_ns - self._last_publish_ns < PUBLISH_INTERVAL_NS):
+        if (
+            not queue
+            or not self._offers
+            or (not force and now_ns - self._last_publish_ns < PUBLISH_INTERVAL_NS)
+        ):
             return
         self._last_publish_ns = now_ns
         batch: list[Record] = []
@@ -113,11 +120,14 @@ class JourneyPipeline:
     # -- drain thread ------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
-            if self.engine_hands_on():
-                with self._drain_lock:
-                    self._report_drops()
-                continue
-            self.drain()
+            try:
+                if self.engine_hands_on():
+                    with self._drain_lock:
+                        self._report_drops()
+                    continue
+                self.drain()
+            except Exception:  # the backstop must outlive a bug of ours
+                logger.warning("journey-otel: drain failed; retrying", exc_info=True)
 
     def engine_hands_on(self, now_ns: int | None = None) -> bool:
         """Drain thread: whether the engine thread is stepping (it called
@@ -133,17 +143,47 @@ class JourneyPipeline:
         now_ns = time.monotonic_ns() if now_ns is None else now_ns
         return now_ns - self._engine_seen_ns < 2 * PUBLISH_INTERVAL_NS
 
-    def drain(self) -> int:
-        """Hand every queued journey to the sink, in one batch; returns how many."""
-        with self._drain_lock:
+    def drain(self, deadline: float | None = None) -> int:
+        """Hand every queued journey to the sink, in one batch; returns how many.
+
+        ``deadline`` (``time.monotonic()``): give up waiting for the lock, or for
+        the sink to take the bytes, at that moment (what is left stays pending or
+        queued, counted as before). None: as long as it takes (the drain thread).
+        """
+        timeout = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self._drain_lock.acquire(timeout=timeout):
+            return 0
+        try:
+            # The rest of a frame blocks the pipe: finish it in time, or let the
+            # queue wait (a new frame cannot go after a partial one).
+            if (
+                deadline is not None
+                and self.sink.pending
+                and not self.sink.flush(max(0.0, deadline - time.monotonic()))
+            ):
+                self._report_drops()
+                return 0
             queue = self._queue
-            n = len(queue)
+            batch: list[Record] = []
+            try:
+                # The engine thread's publish_due may pop some meanwhile: each
+                # journey goes once, by whichever thread popped it.
+                for _ in range(len(queue)):
+                    batch.append(queue.popleft())
+            except IndexError:
+                pass
+            n = len(batch)
             if n or self.sink.pending:
-                batch = [queue.popleft() for _ in range(n)]
-                failed = self.sink.consume(batch, self.dropped + self.failed)
+                try:
+                    failed = self.sink.consume(batch, self.dropped + self.failed, deadline)
+                except Exception:
+                    self.failed += n  # lost with the error: counted, never silent
+                    raise
                 self.failed += failed
                 self.exported += n - failed
             self._report_drops()
+        finally:
+            self._drain_lock.release()
         return n
 
     def _report_drops(self) -> None:
@@ -166,7 +206,7 @@ class JourneyPipeline:
         Returns True if everything queued was handed on in time.
         """
         deadline = time.monotonic() + max(0.0, timeout_s)
-        self.drain()
+        self.drain(deadline)
         ok = self.sink.flush(max(0.0, deadline - time.monotonic()))
         return ok and not self._queue
 
@@ -176,7 +216,7 @@ class JourneyPipeline:
         if self._thread is not None:
             self._thread.join(timeout=1.0)
         deadline = time.monotonic() + max(0.0, timeout_s)
-        self.drain()
+        self.drain(deadline)
         self.sink.shutdown(max(0.0, deadline - time.monotonic()))
         return not self._queue
 

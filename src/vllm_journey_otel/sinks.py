@@ -82,8 +82,16 @@ class Sink(Protocol):
     def pending(self) -> bool:
         """Whether bytes taken by ``offer`` still wait for the drain thread."""
 
-    def consume(self, batch: Sequence[Record], engine_dropped: int = 0) -> int:
-        """Handle a batch; returns how many journeys failed."""
+    @property
+    def takes_offers(self) -> bool:
+        """Whether :meth:`offer` can ever take a batch (False: always queue)."""
+
+    def consume(
+        self, batch: Sequence[Record], engine_dropped: int = 0, deadline: float | None = None
+    ) -> int:
+        """Handle a batch; returns how many journeys failed. ``deadline``
+        (``time.monotonic()``): stop waiting for the receiving end then; what is
+        not taken stays pending (None: wait as long as it takes)."""
 
     def flush(self, timeout_s: float) -> bool:
         """Push everything out within ``timeout_s``; True when done."""
@@ -116,6 +124,8 @@ class SpanSink:
     def offer(self, batch: Sequence[Record], engine_dropped: int = 0) -> bool:
         return False  # building spans is not for the engine thread: always queue
 
+    takes_offers = False
+
     @property
     def drop_advice(self) -> str:
         return (
@@ -127,7 +137,10 @@ class SpanSink:
     def pending(self) -> bool:
         return False
 
-    def consume(self, batch: Sequence[Record], engine_dropped: int = 0) -> int:
+    def consume(
+        self, batch: Sequence[Record], engine_dropped: int = 0, deadline: float | None = None
+    ) -> int:
+        # Building spans here takes CPU, never a wait: the deadline does not apply.
         failed = 0
         health = self.health
         health.engine_dropped = max(health.engine_dropped, engine_dropped)
@@ -320,6 +333,8 @@ class PipeSink:
                 exc_info=True,
             )
 
+    takes_offers = True
+
     @property
     def pending(self) -> bool:
         return bool(self._pending)
@@ -327,12 +342,16 @@ class PipeSink:
     @property
     def drop_advice(self) -> str:
         # Engine-side drops mean the pipes stayed full: the exporters are short
-        # of CPU (or stopped). A backend outage does not show here: the
-        # exporters keep reading and drop in their own span queues instead.
+        # of CPU, or wait for a backend that answers slowly (they build spans
+        # only as fast as they export them; their log says which). A backend
+        # that is down does not show here: the exporters then drop in their own
+        # span queues instead.
         return (
-            f"the {len(self._fds)} exporter process(es) cannot keep up (one builds and "
-            f"exports ~3,400 journeys/s on a free core): raise {EXPORTER_PROCESSES}, "
-            f"lower the sampling ratio, or raise {QUEUE_SIZE} for bursts"
+            f"the {len(self._fds)} exporter process(es) cannot keep up: short of CPU "
+            f"(one builds and exports ~3,400 journeys/s on a free core: raise "
+            f"{EXPORTER_PROCESSES}) or a slow backend (the exporter logs 'export is "
+            f"slower than the traffic'); or lower the sampling ratio, or raise "
+            f"{QUEUE_SIZE} for bursts"
         )
 
     def offer(self, batch: Sequence[Record], engine_dropped: int = 0) -> bool:
@@ -406,20 +425,28 @@ class PipeSink:
         self._pending, self._pending_journeys, self._pending_fd = b"", 0, -1
         return pending
 
-    def consume(self, batch: Sequence[Record], engine_dropped: int = 0) -> int:
+    def consume(
+        self, batch: Sequence[Record], engine_dropped: int = 0, deadline: float | None = None
+    ) -> int:
         if self.broken:
             return len(batch)
         with self._lock:
             if self._pending:
                 data, journeys, fd = self._take_pending()
                 try:
-                    self._write_frame(data, journeys, fd)
+                    done = self._write_frame(data, journeys, fd, deadline)
                 except FrameLost:
                     self.lost_pending += journeys  # also in ``failed``
+                    done = True
+                if not done:
+                    # Still pending at the deadline: a new frame cannot go after
+                    # a partial one. The batch is lost, counted as failed.
+                    self.failed += len(batch)
+                    return len(batch)
             if batch:
                 frame = self._frame(batch, engine_dropped + self.lost_pending)
                 try:
-                    self._write_frame(frame, len(batch))
+                    self._write_frame(frame, len(batch), deadline=deadline)
                 except FrameLost:
                     return len(batch)
         return 0
