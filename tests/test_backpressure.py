@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_journey_otel.backpressure import (
+    MAX_CHUNK_SPANS,
     POLL_S,
     SDK_MAX_BATCH,
     SDK_MAX_QUEUE,
@@ -117,7 +118,7 @@ def test_the_backlog_may_reach_a_batch_so_the_sdk_worker_wakes() -> None:
 
 def test_chunk_budget_is_the_queue_above_one_batch() -> None:
     h = ExportHealth()
-    assert SpanQueueRoom(h, 32768, 2048).budget == 32768 - 2048
+    assert SpanQueueRoom(h, 32768, 2048).budget == MAX_CHUNK_SPANS
     assert SpanQueueRoom(h, 200, 50).budget == 150
     assert SpanQueueRoom(h, 40, 10).budget == 30
 

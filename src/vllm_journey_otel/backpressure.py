@@ -42,6 +42,10 @@ SDK_MAX_QUEUE = 2048
 SDK_MAX_BATCH = 512
 # Spans a chunk may bring at least, even into a queue barely larger than a batch.
 MIN_CHUNK_SPANS = 16
+# And at most (about 64 journeys): building in small chunks interleaves with the
+# worker's export more finely; whole frames as chunks measured ~3 % more CPU per
+# journey (benchmarks/export_bench.py, three alternating runs each).
+MAX_CHUNK_SPANS = 384
 # No export finished (success or failure) for this long while waiting: the
 # exporter is stuck; stop waiting until one finishes.
 STALL_S = 2.0
@@ -78,8 +82,8 @@ class SpanQueueRoom:
 
     The SDK's worker exports when the queue holds a full batch (or every
     OTEL_BSP_SCHEDULE_DELAY): the backlog is allowed to reach that, or export
-    would only run on the timer. A chunk brings at most ``budget`` spans, what
-    is left of the queue above one batch.
+    would only run on the timer. A chunk brings at most ``budget`` spans: what
+    is left of the queue above one batch, and no more than ``MAX_CHUNK_SPANS``.
     """
 
     def __init__(
@@ -94,7 +98,7 @@ class SpanQueueRoom:
         self.health = health
         self.max_queue = max(1, max_queue)
         self.wake = max(1, min(batch, self.max_queue))
-        self.budget = max(MIN_CHUNK_SPANS, self.max_queue - self.wake)
+        self.budget = max(MIN_CHUNK_SPANS, min(MAX_CHUNK_SPANS, self.max_queue - self.wake))
         self._clock = clock
         self._sleep = sleep
         self._stopping = stopping
