@@ -228,7 +228,7 @@ class PipeSink:
     The write ends of the pipes are non-blocking. The engine thread ``offer``s the
     journeys a step finished: one msgspec encode and one ``os.write``, no thread
     hand-off (waking a thread costs the engine thread a GIL switch each time).
-    With several exporters (one exporter process builds and encodes ~3,400
+    With several exporters (one exporter process builds and encodes ~3,500
     journeys a second; docs/performance.md), each frame goes to the one that has
     been sent the fewest bytes so far, the next one if that pipe is full: frames
     differ in size (a 25 ms hand-off from the engine thread vs. a drain of the
@@ -348,7 +348,7 @@ class PipeSink:
         # span queues instead.
         return (
             f"the {len(self._fds)} exporter process(es) cannot keep up: short of CPU "
-            f"(one builds and exports ~3,400 journeys/s on a free core: raise "
+            f"(one builds and exports ~3,500 journeys/s on a free core: raise "
             f"{EXPORTER_PROCESSES}) or a slow backend (the exporter logs 'export is "
             f"slower than the traffic'); or lower the sampling ratio, or raise "
             f"{QUEUE_SIZE} for bursts"
