@@ -178,7 +178,7 @@ def _frame_of(n: int):  # type: ignore[no-untyped-def]
 class Recording:
     """A real SpanSink (in-memory exporter) whose consume calls are recorded."""
 
-    def __init__(self, on_first=None) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self) -> None:
         from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
             InMemorySpanExporter,
         )
@@ -189,13 +189,10 @@ class Recording:
         self.memory = InMemorySpanExporter()
         self.sink = SpanSink(make_tracer_provider({}, exporters=[self.memory], batch=False))
         self.chunks: list[list[str]] = []
-        self.on_first = on_first
         orig = self.sink.consume
 
         def consume(batch, engine_dropped=0, deadline=None):  # type: ignore[no-untyped-def]
             self.chunks.append([j.request_id for j in batch])
-            if self.on_first is not None and len(self.chunks) == 1:
-                self.on_first()
             return orig(batch, engine_dropped, deadline)
 
         self.sink.consume = consume  # type: ignore[method-assign]
@@ -217,24 +214,44 @@ def test_a_frame_is_built_in_chunks_that_fit_the_queue_above_a_batch() -> None:
     )
 
 
-def test_sigterm_while_building_finishes_the_frame_then_exits() -> None:
-    """A SIGTERM in the middle of a frame (typically while waiting for room) no
-    longer throws the rest of the frame away: the frame is built, then the
-    process exits as on any SIGTERM."""
-    import signal
+def test_a_stop_request_reads_what_is_in_the_pipe_then_ends() -> None:
+    """The exporter's SIGTERM is a flag: the reader hands out every frame already
+    in the pipe (and in its buffer), once each, then ends without waiting for
+    more, although the writer is still there."""
+    import os
+    import threading
 
-    from vllm_journey_otel import exporter_process as ep
+    from vllm_journey_otel.sinks import FrameReader, PipeSink
 
-    rec = Recording(on_first=lambda: ep._on_sigterm(signal.SIGTERM, None))
-    room = SpanQueueRoom(rec.sink.health, 200, 50, stopping=lambda: ep._Term.requested)
-    frame = _frame_of(100)
+    r, w = os.pipe()
+    stop = threading.Event()
     try:
-        with pytest.raises(SystemExit):
-            ep.consume(rec.sink, frame, room)  # type: ignore[arg-type]
-        assert [i for c in rec.chunks for i in c] == [f"req-{i}" for i in range(100)]
-        assert rec.sink.health.journeys == 100
-        # Outside a frame, SIGTERM raises at once (the read loop then drains the pipe).
-        with pytest.raises(SystemExit):
-            ep._on_sigterm(signal.SIGTERM, None)
+        frames = [PipeSink._frame(_frame_of(3).journeys, 0) for _ in range(5)]
+        os.write(w, b"".join(frames) + frames[0][:7])  # and a partial frame
+        got: list[object] = []
+        with os.fdopen(os.dup(r), "rb") as f:
+            reader = FrameReader()
+            for frame in reader.frames(f, pace_s=0.05, stop=stop.is_set):
+                got.append(frame)
+                stop.set()  # SIGTERM after the first frame
+        assert len(got) == 5, "every whole frame in the pipe, none twice"
     finally:
-        ep._Term.requested = False
+        os.close(r)
+        os.close(w)
+
+
+def test_exporter_env_fits_the_batch_to_a_users_queue() -> None:
+    from vllm_journey_otel.sinks import EXPORTER_BSP_DEFAULTS, exporter_env
+
+    assert {k: exporter_env({})[k] for k in EXPORTER_BSP_DEFAULTS} == EXPORTER_BSP_DEFAULTS
+    # A queue below our 2,048-span batch: the SDK would refuse the batch and the
+    # exporter would not start. Half the queue instead.
+    small = exporter_env({"OTEL_BSP_MAX_QUEUE_SIZE": "1000"})
+    assert small["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"] == "500"
+    assert (
+        exporter_env({"OTEL_BSP_MAX_QUEUE_SIZE": "100000"})["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"]
+        == "2048"
+    )
+    # What the user set is theirs.
+    both = {"OTEL_BSP_MAX_QUEUE_SIZE": "1000", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "900"}
+    assert exporter_env(both)["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"] == "900"

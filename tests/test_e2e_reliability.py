@@ -110,12 +110,15 @@ def test_sigterm_with_requests_in_flight_exports_them_aborted(  # type: ignore[n
             )  # fmt: skip
 
     def in_engine() -> bool:
+        # One decoding and more queued behind it. Not "all n": on a fast run the
+        # first request can finish before the last is admitted, and waiting for
+        # all n then ran into the clients' 15 s timeout, which aborted the queued
+        # requests before the SIGTERM (nothing left in flight to test).
         try:
             text = server.metrics()
             return (
-                metric_value(text, "vllm:num_requests_running")
-                + metric_value(text, "vllm:num_requests_waiting")
-                >= n
+                metric_value(text, "vllm:num_requests_running") >= 1
+                and metric_value(text, "vllm:num_requests_waiting") >= 2
             )
         except (OSError, KeyError):
             return False
@@ -124,8 +127,8 @@ def test_sigterm_with_requests_in_flight_exports_them_aborted(  # type: ignore[n
     try:
         for t in threads:
             t.start()
-        # vLLM's own gauges: every request is running or queued in the engine.
-        # They can lag; the assertions below use vLLM's own abort count anyway.
+        # vLLM's own gauges: requests running and queued in the engine. They can
+        # lag; the assertions below use vLLM's own abort count anyway.
         with contextlib.suppress(TimeoutError):
             wait_until(in_engine, 20, 0.05, "requests in the engine")
         t0 = time.monotonic()

@@ -386,8 +386,8 @@ def test_flush_keeps_its_deadline_when_the_exporter_does_not_read(pipes) -> None
     began = time.monotonic()
     assert not pipeline.flush(0.3)
     assert time.monotonic() - began < 2.0
-    # The rest of the frame is pending, counted as neither exported nor failed yet;
-    # a second flush with the pipe still full gives up in time too.
+    # The rest of the frame is pending (its journeys already counted as handed
+    # on); a second flush with the pipe still full gives up in time too.
     assert pipeline.sink.pending
     began = time.monotonic()
     assert not pipeline.flush(0.2)
@@ -402,10 +402,36 @@ def test_flush_keeps_its_deadline_when_the_exporter_does_not_read(pipes) -> None
     assert got == [f"req-{i}" for i in range(2000)]
 
 
+def test_flush_keeps_its_deadline_while_the_drain_thread_writes(pipes) -> None:  # type: ignore[no-untyped-def]
+    """The drain thread blocked on a full pipe holds the sink for a bounded time
+    (DRAIN_WRITE_S), so a flush with a deadline (Scheduler.shutdown, atexit)
+    returns in time; shutdown does not close the pipe under a writer."""
+    from vllm_journey_otel.pipeline import DRAIN_WRITE_S, JourneyPipeline
+
+    r, w = pipes[0]
+    fcntl.fcntl(w, F_SETPIPE_SZ, 4096)
+    pipeline = JourneyPipeline(PipeSink(w), interval_s=0.01)
+    try:
+        for j in journeys(2000):
+            pipeline.submit(j)
+        wait_until(lambda: pipeline.sink.pending or None, 5, 0.01, "the drain thread writing")
+        began = time.monotonic()
+        assert not pipeline.flush(0.3)
+        assert time.monotonic() - began < 0.3 + DRAIN_WRITE_S + 1.0
+        got: list[str] = []
+        reader = threading.Thread(target=lambda: got.extend(ids(read_all(r))))
+        reader.start()
+        wait_until(lambda: not pipeline.sink.pending or None, 30, 0.02, "the pipe drained")
+    finally:
+        pipeline.shutdown(5.0)
+    reader.join(10)
+    assert got == [f"req-{i}" for i in range(2000)]
+
+
 def test_drain_thread_is_a_backstop_in_action_and_survives_errors(pipes) -> None:  # type: ignore[no-untyped-def]
-    """While the engine thread publishes and its offers go through, the drain
-    thread (every 10 ms here) writes nothing; once the engine stops stepping it
-    takes what is queued. An error in a drain is logged and the thread goes on."""
+    """Once the engine stops stepping the drain thread (every 10 ms here) takes
+    what is queued. An error in a drain is logged, its journeys counted as
+    failed, and the thread goes on."""
     from vllm_journey_otel.pipeline import JourneyPipeline
 
     r, w = pipes[0]
@@ -426,15 +452,10 @@ def test_drain_thread_is_a_backstop_in_action_and_survives_errors(pipes) -> None
     pipeline = JourneyPipeline(sink, interval_s=0.01)
     try:
         batch = journeys(60)
-        end = time.monotonic() + 0.4
-        k = 0
-        while time.monotonic() < end:  # a stepping engine: a journey and a step every 5 ms
-            if k < 40:
-                pipeline.submit(batch[k])
-                k += 1
-            pipeline.publish_due(time.monotonic_ns())
-            time.sleep(0.005)
-        assert pipeline.published >= 30 and pipeline.exported == 0 and calls["n"] == 0
+        for j in batch[:40]:  # the engine's own hand-offs (the drain thread leaves
+            pipeline.submit(j)  # them alone: test_drain_thread_leaves_the_queue...)
+            pipeline.publish_due(time.monotonic_ns(), force=True)
+        assert pipeline.published == 40
         # The engine stops stepping with journeys queued: the drain thread takes
         # them. Its first attempt raises: those journeys are counted as failed,
         # the thread goes on and takes the next ones.
@@ -474,3 +495,39 @@ def test_thread_mode_engine_thread_never_offers() -> None:
     assert not pipeline.engine_hands_on(), "the drain thread must do the work"
     assert pipeline.drain() == 3 and pipeline.exported == 3
     assert len(memory.get_finished_spans()) == sum(len(plan_spans(j, 0)) for j in batch)
+
+
+def test_sigterm_reads_every_frame_already_in_the_pipe(monkeypatch, capfd) -> None:  # type: ignore[no-untyped-def]
+    """SIGTERM while the exporter is busy (a slow backend, frames waiting in the
+    pipe and its buffer): it stops waiting for room, builds every journey that
+    is already there, and exits; none is lost unread or uncounted."""
+    import signal
+
+    receiver = Receiver()
+    receiver.start_grpc()
+    receiver.delay_s = 0.05
+    for key in list(os.environ):
+        if key.startswith("OTEL_"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
+    monkeypatch.setenv(
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{receiver.grpc_port}"
+    )
+    monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "200")
+    monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "50")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    try:
+        sink = PipeSink.start({"service.name": "term"})
+        assert sink.pid
+        batch = journeys(300)
+        for k in range(0, 300, 30):  # ten frames
+            assert sink.consume(batch[k : k + 30]) == 0
+        time.sleep(0.3)  # it is building and waiting for room meanwhile
+        os.kill(sink.pid, signal.SIGTERM)
+        _, alive = psutil.wait_procs([psutil.Process(sink.pid)], timeout=60)
+        assert not alive
+        err = capfd.readouterr().err
+        assert "300 journeys received, 1500 spans built" in err, err
+        sink.shutdown(1.0)
+    finally:
+        receiver.stop()

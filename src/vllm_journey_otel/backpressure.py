@@ -119,6 +119,13 @@ class SpanQueueRoom:
         health = self.health
         if not health.exporting or health.in_outage:
             return
+        # The queue and one batch in flight hold no more than this: anything
+        # above was dropped by an SDK whose drop record the log gate did not
+        # recognise (older SDKs word it differently). Count it, or the backlog
+        # would stay inflated and every chunk wait for nothing.
+        excess = health.backlog - (self.max_queue + self.wake)
+        if excess > 0:
+            health.spans_dropped += excess
         limit = max(self.max_queue - spans, self.wake)
         if health.backlog <= limit:
             return

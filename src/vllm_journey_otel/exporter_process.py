@@ -18,7 +18,6 @@ converts the engine core's ``*_mono_ns`` stamps correctly (same host).
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import logging
@@ -31,7 +30,7 @@ from .backpressure import SpanQueueRoom, bsp_sizes, spans_of
 from .config import from_env, logger
 from .health import ExportHealth, SdkLogGate
 from .provider import make_tracer_provider
-from .sinks import READ_PACE_S, Frame, SpanSink, read_frames
+from .sinks import READ_PACE_S, Frame, FrameReader, SpanSink
 
 # The exporter is not bound by vLLM's kill deadline; give the final export time.
 MIN_FINAL_FLUSH_S = 10.0
@@ -54,45 +53,37 @@ def tune_gc() -> None:
 
 
 class _Term:
-    """SIGTERM while a frame is being built is noted, not raised: raising there
-    would lose the rest of the frame uncounted (or build part of it twice)."""
+    """SIGTERM (a container or cgroup being stopped; vLLM itself ends us with
+    end-of-file) is a flag, never an exception: an exception in the middle of a
+    frame would lose the rest of it, or of the frames already read, uncounted.
+    The reader and the backpressure wait check it; what is already in the pipe
+    is still exported, without waiting for room."""
 
-    building = False
     requested = False
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
-    if _Term.building:
-        _Term.requested = True
-        return
-    raise SystemExit(0)
+    _Term.requested = True
 
 
-def consume(sink: SpanSink, frame: Frame, room: SpanQueueRoom | None) -> None:
-    """Build a frame's spans in chunks, each once the span queue has room for it
-    (``room``: backpressure.py; None at SIGTERM, where the deadline comes first).
-    A SIGTERM meanwhile stops the waiting; the frame is finished, then the
-    process exits as on any SIGTERM (SystemExit)."""
+def _stopping() -> bool:
+    return _Term.requested
+
+
+def consume(sink: SpanSink, frame: Frame, room: SpanQueueRoom) -> None:
+    """Build a frame's spans in chunks of at most ``room.budget`` spans, each
+    once the span queue has room for it (backpressure.py)."""
     journeys = frame.journeys
-    if room is None:
-        sink.consume(journeys, frame.engine_dropped)
-        return
-    _Term.building = True
-    try:
-        start = need = 0
-        for i, record in enumerate(journeys):
-            n = spans_of(record)
-            if need and need + n > room.budget:
-                room.wait(need)
-                sink.consume(journeys[start:i], frame.engine_dropped)
-                start, need = i, 0
-            need += n
-        room.wait(need)
-        sink.consume(journeys[start:] if start else journeys, frame.engine_dropped)
-    finally:
-        _Term.building = False
-    if _Term.requested:
-        raise SystemExit(0)
+    start = need = 0
+    for i, record in enumerate(journeys):
+        n = spans_of(record)
+        if need and need + n > room.budget:
+            room.wait(need)
+            sink.consume(journeys[start:i], frame.engine_dropped)
+            start, need = i, 0
+        need += n
+    room.wait(need)
+    sink.consume(journeys[start:] if start else journeys, frame.engine_dropped)
 
 
 _CERTIFICATE_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", "OTEL_EXPORTER_OTLP_CERTIFICATE")
@@ -128,19 +119,22 @@ def main(argv: list[str]) -> int:
     gate = SdkLogGate(health)
     gate.install()
     sink = SpanSink(make_tracer_provider(attributes, health=health), health=health)
-    room = SpanQueueRoom(health, *bsp_sizes(), stopping=lambda: _Term.requested)
+    health.backpressure = True
+    queue, batch = bsp_sizes()
+    room = SpanQueueRoom(health, queue, batch, stopping=_stopping)
+    if queue < 2 * batch:
+        logger.warning(
+            "journey-otel exporter: OTEL_BSP_MAX_QUEUE_SIZE=%d leaves little room above "
+            "OTEL_BSP_MAX_EXPORT_BATCH_SIZE=%d: at full load spans can be dropped; keep "
+            "the queue at least twice the batch",
+            queue,
+            batch,
+        )
     tune_gc()
-    stdin = sys.stdin.buffer
+    reader = FrameReader()
     try:
-        for frame in read_frames(stdin, READ_PACE_S):
+        for frame in reader.frames(sys.stdin.buffer, READ_PACE_S, stop=_stopping):
             consume(sink, frame, room)
-    except SystemExit:
-        # SIGTERM (a container or cgroup being stopped; vLLM itself ends us with
-        # end-of-file): what is already in the pipe is exported too.
-        with contextlib.suppress(Exception, SystemExit):
-            os.set_blocking(stdin.fileno(), False)
-            for frame in read_frames(stdin):
-                consume(sink, frame, None)
     except Exception:
         logger.warning("journey-otel exporter: bad input, stopping", exc_info=True)
     finally:

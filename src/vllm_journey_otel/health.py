@@ -60,6 +60,9 @@ class ExportHealth:
         self.last_reason = ""
         self.exporting = False  # a HealthExporter reports here (not OTEL_TRACES_EXPORTER=none)
         self.input_warnings = 0  # the SDK's complaints about client input, demoted
+        # Span building waits for room while export works (the exporter process,
+        # backpressure.py); False in thread mode, where a slow backend overflows.
+        self.backpressure = False
         self._period_s = report_period_s
         self._outage_since: float | None = None
         self._failed_at_outage = 0
@@ -127,13 +130,20 @@ class ExportHealth:
         now = time.monotonic()
         first = self._dropped_reported == 0
         if first or now - self._last_drop_report >= self._period_s:
-            # Span building waits for room while export works (backpressure.py),
-            # so the queue overflows while export fails or is stuck.
+            if self.backpressure:  # the queue overflows only while export fails or is stuck
+                cause = (
+                    "while export fails or is stuck; a larger OTEL_BSP_MAX_QUEUE_SIZE "
+                    "rides out longer outages (~3-5 KB a span)"
+                )
+            else:
+                cause = (
+                    "the backend is slower than the traffic or down: raise "
+                    "OTEL_BSP_MAX_QUEUE_SIZE or lower the sampling ratio"
+                )
             logger.warning(
-                "journey-otel: the span export queue is full, spans are dropped "
-                "(%d so far) while export fails or is stuck; a larger "
-                "OTEL_BSP_MAX_QUEUE_SIZE rides out longer outages (~3-5 KB a span)",
+                "journey-otel: the span export queue is full, spans are dropped (%d so far) %s",
                 self.spans_dropped,
+                cause,
             )
             self._dropped_reported = self.spans_dropped
             self._last_drop_report = now

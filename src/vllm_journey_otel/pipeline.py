@@ -28,6 +28,10 @@ from .journey import Record
 from .sinks import Sink
 
 _DROP_LOG_PERIOD_S = 60.0
+# The drain thread writes for at most this long per wake-up (the rest of a frame
+# stays pending for the next one), so a flush or shutdown with a deadline never
+# waits longer than this for the sink.
+DRAIN_WRITE_S = 0.2
 # The engine thread hands finished journeys on at most this often (publish_due).
 # The exporter's paced read (sinks.READ_PACE_S) is twice this.
 PUBLISH_INTERVAL_NS = 25_000_000
@@ -119,15 +123,22 @@ class JourneyPipeline:
 
     # -- drain thread ------------------------------------------------------
     def _run(self) -> None:
+        failures = 0
         while not self._stop.wait(self._interval_s):
             try:
                 if self.engine_hands_on():
                     with self._drain_lock:
                         self._report_drops()
                     continue
-                self.drain()
+                self.drain(time.monotonic() + DRAIN_WRITE_S)
             except Exception:  # the backstop must outlive a bug of ours
-                logger.warning("journey-otel: drain failed; retrying", exc_info=True)
+                failures += 1
+                if failures == 1 or failures % 1000 == 0:
+                    logger.warning(
+                        "journey-otel: drain failed (%d times so far); retrying",
+                        failures,
+                        exc_info=True,
+                    )
 
     def engine_hands_on(self, now_ns: int | None = None) -> bool:
         """Drain thread: whether the engine thread is stepping (it called

@@ -34,7 +34,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import IO, Any, Protocol
 
 import msgspec
@@ -210,6 +210,26 @@ EXPORTER_BSP_DEFAULTS = {
     "OTEL_BSP_SCHEDULE_DELAY": "500",
 }
 
+
+def exporter_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The exporter process's environment: ``env`` with our batch processor
+    defaults where the user set none.
+
+    A user's queue without a batch size gets batches of half the queue at most:
+    the SDK refuses a batch larger than its queue (the exporter would not
+    start), and span building needs room beside a full batch (backpressure.py).
+    """
+    child = dict(env)
+    user_queue = child.get("OTEL_BSP_MAX_QUEUE_SIZE", "").strip()
+    user_batch = child.get("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "").strip()
+    for key, value in EXPORTER_BSP_DEFAULTS.items():
+        child.setdefault(key, value)
+    if user_queue.isdigit() and int(user_queue) > 0 and not user_batch:
+        ours = int(EXPORTER_BSP_DEFAULTS["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"])
+        child["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"] = str(max(1, min(ours, int(user_queue) // 2)))
+    return child
+
+
 # Starts the exporter in a new session and writes its pid to the fd in argv[1].
 _LAUNCHER = (
     "import os, subprocess, sys\n"
@@ -282,9 +302,7 @@ class PipeSink:
             "vllm_journey_otel.exporter_process",
             json.dumps(dict(resource_attributes)),
         ]
-        child_env = dict(os.environ if env is None else env)
-        for key, value in EXPORTER_BSP_DEFAULTS.items():
-            child_env.setdefault(key, value)
+        child_env = exporter_env(os.environ if env is None else env)
         fds: list[int] = []
         pids: list[int] = []
         try:
@@ -456,22 +474,38 @@ class PipeSink:
         # process; the exporter exports them. Only unwritten bytes remain here.
         if self.broken:
             return False
-        with self._lock:
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        # The drain thread may be writing (a bounded while, DRAIN_WRITE_S).
+        if not self._lock.acquire(timeout=max(0.0, timeout_s)):
+            return False
+        try:
             if self._pending:
                 data, journeys, fd = self._take_pending()
                 try:
-                    return self._write_frame(data, journeys, fd, time.monotonic() + timeout_s)
+                    return self._write_frame(data, journeys, fd, deadline)
                 except FrameLost:
                     self.lost_pending += journeys
                     return False
+        finally:
+            self._lock.release()
         return True
 
     def shutdown(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + max(0.0, timeout_s)
         self.flush(timeout_s)
-        for fd in self._fds:  # EOF: each exporter exports what it has and exits
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self._fds = []
+        # Not under a writer's feet: a descriptor closed (and its number reused)
+        # while another thread writes to it would send bytes elsewhere. If the
+        # lock cannot be had in time, the descriptors close with the process.
+        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            logger.debug("journey-otel: pipe sink busy at shutdown; pipes close at exit")
+            return
+        try:
+            for fd in self._fds:  # EOF: each exporter exports what it has and exits
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._fds = []
+        finally:
+            self._lock.release()
 
 
 def _launch(argv: list[str], env: dict[str, str], python: str | None) -> tuple[int, int | None]:
@@ -513,49 +547,100 @@ READ_PACE_S = 0.05
 _READ_CHUNK = 1 << 20
 
 
-def read_frames(stream: IO[bytes], pace_s: float = 0.0) -> Any:
-    """Yield decoded :class:`Frame` s from ``stream`` until end-of-file (exporter side).
+# While a stop may be requested, the reader waits in select() this long at a
+# time, so a SIGTERM is noticed within it (a signal handler that does not raise
+# cannot interrupt a blocking read: PEP 475 retries it).
+_STOP_POLL_S = 0.25
 
-    ``pace_s`` > 0: after a read that left no partial frame and did not fill the
-    read buffer, the next read comes no sooner than ``pace_s`` after it returned
-    (handling its frames counts toward the pause). A writer whose reader is
-    blocked in ``read`` pays for waking it inside its ``write`` (~8-12 us instead
-    of ~1 us here, more when the woken reader takes the writer's core): paced,
-    the exporter is asleep or busy when the engine thread writes, and blocks in
-    ``read`` (no CPU) only when nothing came during the pause. Frames wait at
-    most ``pace_s`` longer; a busy exporter (handling takes longer, or a full
-    read) and a frame still arriving never pause, so capacity is unchanged. A
-    partial frame at end-of-file is dropped.
 
-    A non-blocking ``stream`` with nothing to read ends the iteration too (the
-    final drain at SIGTERM).
+class FrameReader:
+    """Decodes :class:`Frame` s from a byte stream (exporter side, main thread).
+
+    The buffer belongs to the reader, not to one iteration: frames already read
+    but not yet handed out survive an interrupted iteration, and a frame is
+    taken off the buffer as it is handed out, so none is handed out twice.
     """
-    size_of = FRAME_HEADER.unpack_from
-    header = FRAME_HEADER.size
-    buf = bytearray()
-    clock = time.monotonic
-    while True:
-        try:
-            chunk = stream.read1(_READ_CHUNK)  # type: ignore[attr-defined]
-        except BlockingIOError:
-            return
-        if not chunk:  # end-of-file (None: non-blocking and empty)
-            return
-        read_at = clock()
-        buf += chunk
-        pos = 0
-        while len(buf) - pos >= header:
-            (size,) = size_of(buf, pos)
-            if size > MAX_FRAME_BYTES:
-                raise ValueError(f"frame of {size} bytes exceeds the {MAX_FRAME_BYTES} limit")
-            end = pos + header + size
-            if len(buf) < end:
-                break
-            payload = buf[pos + header : end]
-            pos = end
-            yield DECODER.decode(payload)
-        del buf[:pos]
-        if pace_s > 0 and not buf and len(chunk) < _READ_CHUNK:
-            rest = read_at + pace_s - clock()
-            if rest > 0:
-                time.sleep(rest)
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._pos = 0
+
+    def frames(
+        self,
+        stream: IO[bytes],
+        pace_s: float = 0.0,
+        stop: Callable[[], bool] | None = None,
+    ) -> Iterator[Frame]:
+        """Yield frames until end-of-file.
+
+        ``pace_s`` > 0: after a read that left no partial frame and did not fill
+        the read buffer, the next read comes no sooner than ``pace_s`` after it
+        returned (handling its frames counts toward the pause). A writer whose
+        reader is blocked in ``read`` pays for waking it inside its ``write``
+        (~8-12 us instead of ~1 us here, more when the woken reader takes the
+        writer's core): paced, the exporter is asleep or busy when the engine
+        thread writes, and blocks (no CPU) only when nothing came during the
+        pause. Frames wait at most ``pace_s`` longer; a busy exporter (handling
+        takes longer, or a full read) and a frame still arriving never pause, so
+        capacity is unchanged. A partial frame at end-of-file is dropped.
+
+        ``stop`` (the exporter's SIGTERM flag): once it returns True, what is
+        already in the pipe is read without waiting and the iteration ends.
+        Given, the stream's descriptor is read directly (``os.read``).
+        A non-blocking stream with nothing to read ends the iteration too.
+        """
+        size_of = FRAME_HEADER.unpack_from
+        header = FRAME_HEADER.size
+        buf = self._buf
+        clock = time.monotonic
+        fd = stream.fileno() if stop is not None else -1
+        draining = False
+        last = -1  # bytes of the last read (-1: none yet)
+        read_at = 0.0
+        while True:
+            while len(buf) - self._pos >= header:
+                (size,) = size_of(buf, self._pos)
+                if size > MAX_FRAME_BYTES:
+                    raise ValueError(f"frame of {size} bytes exceeds the {MAX_FRAME_BYTES} limit")
+                end = self._pos + header + size
+                if len(buf) < end:
+                    break
+                payload = buf[self._pos + header : end]
+                self._pos = end
+                yield DECODER.decode(payload)
+            del buf[: self._pos]
+            self._pos = 0
+            if stop is not None and not draining and stop():
+                draining = True
+            if pace_s > 0 and not draining and 0 <= last < _READ_CHUNK and not buf:
+                rest = read_at + pace_s - clock()
+                if rest > 0:
+                    time.sleep(rest)
+            if stop is not None:
+                if not draining:
+                    while not select.select([fd], [], [], _STOP_POLL_S)[0]:
+                        if stop():
+                            draining = True
+                            break
+                if draining:
+                    os.set_blocking(fd, False)
+                try:
+                    chunk: bytes | None = os.read(fd, _READ_CHUNK)
+                except BlockingIOError:
+                    return
+            else:
+                try:
+                    chunk = stream.read1(_READ_CHUNK)  # type: ignore[attr-defined]
+                except BlockingIOError:
+                    return
+            if not chunk:  # end-of-file (None: non-blocking and empty)
+                return
+            read_at = clock()
+            last = len(chunk)
+            buf += chunk
+
+
+def read_frames(stream: IO[bytes], pace_s: float = 0.0) -> Iterator[Frame]:
+    """Yield decoded :class:`Frame` s from ``stream`` until end-of-file
+    (:meth:`FrameReader.frames` with a reader of its own)."""
+    return FrameReader().frames(stream, pace_s)
