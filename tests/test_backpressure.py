@@ -252,6 +252,11 @@ def test_exporter_env_fits_the_batch_to_a_users_queue() -> None:
         exporter_env({"OTEL_BSP_MAX_QUEUE_SIZE": "100000"})["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"]
         == "2048"
     )
+    # Empty is unset (a compose file's VAR: ${VAR}); a value int() refuses is left
+    # to the SDK (it warns and uses its default) and sizes nothing here.
+    assert exporter_env({"OTEL_BSP_MAX_QUEUE_SIZE": " "})["OTEL_BSP_MAX_QUEUE_SIZE"] == "32768"
+    odd = exporter_env({"OTEL_BSP_MAX_QUEUE_SIZE": "²"})
+    assert odd["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"] == "2048"
     # What the user set is theirs.
     both = {"OTEL_BSP_MAX_QUEUE_SIZE": "1000", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "900"}
     assert exporter_env(both)["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"] == "900"

@@ -531,3 +531,23 @@ def test_sigterm_reads_every_frame_already_in_the_pipe(monkeypatch, capfd) -> No
         sink.shutdown(1.0)
     finally:
         receiver.stop()
+
+
+def test_a_batch_after_an_unfinished_frame_waits_behind_it(pipes) -> None:  # type: ignore[no-untyped-def]
+    """The engine thread's offer can leave a partial frame just after drain()
+    looked; the drain's own batch, whose write then misses its deadline, goes
+    behind that frame (same exporter) instead of being lost."""
+    r, w = pipes[0]
+    fcntl.fcntl(w, F_SETPIPE_SZ, 4096)
+    sink = PipeSink(w)
+    assert sink.offer(journeys(40))  # more than the pipe holds: the rest pending
+    assert sink.pending
+    assert sink.consume(journeys(10, start=40), 0, time.monotonic() + 0.05) == 0
+    assert sink.pending and sink.failed == 0
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.extend(ids(read_all(r))))
+    reader.start()
+    assert sink.flush(10.0)
+    sink.shutdown(1.0)
+    reader.join(10)
+    assert got == [f"req-{i}" for i in range(50)]

@@ -141,7 +141,7 @@ class ExportHealth:
                     "OTEL_BSP_MAX_QUEUE_SIZE or lower the sampling ratio"
                 )
             logger.warning(
-                "journey-otel: the span export queue is full, spans are dropped (%d so far) %s",
+                "journey-otel: the span export queue is full, spans are dropped (%d so far): %s",
                 self.spans_dropped,
                 cause,
             )

@@ -219,14 +219,19 @@ def exporter_env(env: Mapping[str, str]) -> dict[str, str]:
     the SDK refuses a batch larger than its queue (the exporter would not
     start), and span building needs room beside a full batch (backpressure.py).
     """
-    child = dict(env)
+    # An empty value (a compose file's ``VAR: ${VAR}`` with VAR unset) is unset.
+    child = {k: v for k, v in env.items() if not (k.startswith("OTEL_BSP_") and not v.strip())}
     user_queue = child.get("OTEL_BSP_MAX_QUEUE_SIZE", "").strip()
     user_batch = child.get("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "").strip()
     for key, value in EXPORTER_BSP_DEFAULTS.items():
         child.setdefault(key, value)
-    if user_queue.isdigit() and int(user_queue) > 0 and not user_batch:
+    try:
+        queue = int(user_queue) if user_queue else 0
+    except ValueError:
+        queue = 0  # the SDK complains about it and uses its default
+    if queue > 0 and not user_batch:
         ours = int(EXPORTER_BSP_DEFAULTS["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"])
-        child["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"] = str(max(1, min(ours, int(user_queue) // 2)))
+        child["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"] = str(max(1, min(ours, queue // 2)))
     return child
 
 
@@ -457,10 +462,14 @@ class PipeSink:
                     self.lost_pending += journeys  # also in ``failed``
                     done = True
                 if not done:
-                    # Still pending at the deadline: a new frame cannot go after
-                    # a partial one. The batch is lost, counted as failed.
-                    self.failed += len(batch)
-                    return len(batch)
+                    # Still pending at the deadline (the engine thread's offer
+                    # left it after drain() looked): the new frame goes after it,
+                    # to the same exporter, with the next write. Nothing is lost.
+                    if batch:
+                        frame = self._frame(batch, engine_dropped + self.lost_pending)
+                        self._pending += frame
+                        self._pending_journeys += len(batch)
+                    return 0
             if batch:
                 frame = self._frame(batch, engine_dropped + self.lost_pending)
                 try:
