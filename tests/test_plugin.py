@@ -61,14 +61,15 @@ def _engine():  # type: ignore[no-untyped-def]
 
 
 def test_plugin_off_changes_nothing() -> None:
-    """VLLM_JOURNEY_OTEL unset or 0: register() wraps nothing, in a fresh process."""
+    """VLLM_JOURNEY_OTEL unset or any false word: register() wraps nothing and
+    imports nothing of ours beyond the switch, in a fresh process."""
     code = textwrap.dedent(
         f"""
         import os, sys
         from vllm.v1.core.sched.scheduler import Scheduler
         before = {{n: Scheduler.__dict__.get(n) for n in {HOOKED!r}}}
         from vllm_journey_otel.plugin import register
-        for value in (None, "0", ""):
+        for value in (None, "0", "", "false", " False ", "no", "off", "OFF"):
             if value is None:
                 os.environ.pop("VLLM_JOURNEY_OTEL", None)
             else:
@@ -77,6 +78,8 @@ def test_plugin_off_changes_nothing() -> None:
         after = {{n: Scheduler.__dict__.get(n) for n in before}}
         assert before == after, "methods changed"
         assert "opentelemetry.sdk.trace" not in sys.modules, "SDK imported while off"
+        ours = sorted(m for m in sys.modules if m.startswith("vllm_journey_otel."))
+        assert ours == ["vllm_journey_otel.plugin", "vllm_journey_otel.switch"], ours
         print("UNCHANGED")
         """
     )

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import os
 
+from .switch import ENABLE, FALSE_WORDS
+
 
 def register() -> None:
     """Install the scheduler hooks when ``VLLM_JOURNEY_OTEL`` is true. Never raises."""
     try:
-        if os.environ.get("VLLM_JOURNEY_OTEL", "").strip() in ("", "0"):
+        if os.environ.get(ENABLE, "").strip().lower() in FALSE_WORDS:
             return
         from . import config
 
