@@ -136,3 +136,80 @@ def test_unsampled_without_tail_records_nothing() -> None:
     finally:
         hooks.uninstall()
     assert exporter.get_finished_spans() == ()
+
+
+def _sdk_samples(ratio: float, trace_id: int) -> bool:
+    """The SDK's own TraceIdRatioBased decision for a span of this trace."""
+    from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
+
+    return TraceIdRatioBased(ratio).should_sample(None, trace_id, "x").decision.is_sampled()
+
+
+@pytest.mark.parametrize("ratio", [0.001, 0.25, 0.5, 0.9])
+def test_ratio_decides_on_the_client_trace_id_as_the_sdk_does(ratio: float) -> None:
+    import random
+
+    sampler = HeadSampler(parent_based=False, ratio=ratio)
+    gen = random.Random(7)
+    agreed = kept = 0
+    for _ in range(3000):
+        trace_id = gen.getrandbits(128) or 1
+        headers = {"traceparent": f"00-{trace_id:032x}-{SPAN}-{gen.choice(['00', '01'])}"}
+        mine, ids = sampler.decide(headers)
+        assert ids is None  # the client's trace: the root takes its trace id
+        assert sampler.decide(dict(headers))[0] == mine  # every journey of the trace agrees
+        agreed += mine == _sdk_samples(ratio, trace_id)
+        kept += mine
+    assert agreed == 3000
+    assert 0 < kept < 3000 or ratio < 0.01
+
+
+@pytest.mark.parametrize("parent_based", [False, True])
+def test_ratio_for_a_new_trace_picks_the_trace_id_it_decided_on(parent_based: bool) -> None:
+    sampler = HeadSampler(parent_based=parent_based, ratio=0.5)
+    outcomes = set()
+    for headers in [None, {}, {"traceparent": "00-garbage"}] * 200:
+        mine, ids = sampler.decide(headers)
+        assert ids is not None
+        trace_id = (ids.trace_hi << 64) | ids.trace_lo
+        assert mine == _sdk_samples(0.5, trace_id)
+        outcomes.add(mine)
+    assert outcomes == {True, False}
+
+
+@requires_vllm
+def test_journeys_of_one_trace_get_one_decision_on_a_real_scheduler() -> None:
+    """traceidratio, tail rule off: siblings of one client trace (as n=2 makes
+    them) are kept or dropped together, and every root of a new trace that is
+    exported carries a trace id the SDK's own sampler keeps."""
+    harness = import_harness()
+    exporter = InMemorySpanExporter()
+    ratio = 0.5
+    assert hooks.install(
+        Config(enabled=True, export_mode=MODE_THREAD),
+        exporters=[exporter],
+        batch=False,
+        head=HeadSampler(parent_based=False, ratio=ratio),
+        tail=TailRule(False, False, False, None),
+    )
+    traces = [(0x1F << 96) | (k * 0x9E3779B97F4A7C15 % (1 << 64)) for k in range(1, 13)]
+    try:
+        e = harness.Engine(num_blocks=40, max_num_batched_tokens=256, max_model_len=512)
+        for k, trace_id in enumerate(traces):
+            headers = {"traceparent": f"00-{trace_id:032x}-{SPAN}-00"}
+            for sibling in ("a", "b"):
+                e.add(f"t{k}{sibling}", prompt_len=6, max_tokens=2, trace_headers=dict(headers))
+        for k in range(24):
+            e.add(f"own{k}", prompt_len=6, max_tokens=2)
+        e.run()
+        assert hooks.flush(10)
+        spans = exporter.get_finished_spans()
+    finally:
+        hooks.uninstall()
+    roots = {s.attributes[S.REQUEST_ID]: s for s in spans if s.name == S.SPAN_REQUEST}
+    for k, trace_id in enumerate(traces):
+        expected = _sdk_samples(ratio, trace_id)
+        assert (f"t{k}a" in roots) == (f"t{k}b" in roots) == expected, k
+    own = [r for rid, r in roots.items() if rid.startswith("own")]
+    assert own and all(_sdk_samples(ratio, r.context.trace_id) for r in own)
+    assert all(r.parent is None for r in own)

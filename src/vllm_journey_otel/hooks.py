@@ -328,7 +328,7 @@ class SchedulerTracker:
             ):
                 j.wait_ended(_now(), self.step, _WAIT_STREAMING)
             return
-        sampled = self.head.sampled(request.trace_headers)
+        sampled, root_ids = self.head.decide(request.trace_headers)
         if not sampled and not self.tail.active:
             return  # an unsampled request costs this decision and nothing else
         sp = request.sampling_params
@@ -347,6 +347,8 @@ class SchedulerTracker:
             self.spec_decode,
             bool(getattr(request, "resumable", False)),
         )
+        if root_ids is not None:  # the trace id the ratio was decided on
+            j.root_ids = root_ids
         setattr(request, JOURNEY_ATTR, j)
         reason = self.status_waits.get(request.status)
         if reason is not None:  # a grammar to compile before it can be scheduled

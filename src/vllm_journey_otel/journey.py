@@ -404,8 +404,10 @@ class RequestJourney:
         (the same immutable object after that: a step view links it every step)."""
         target = self.link
         if target is None:
-            bits = RNG.getrandbits  # not vLLM's seeded global random (rng.py)
-            ids = self.root_ids = RootIds(bits(64), bits(64) or 1, bits(64) or 1)
+            ids = self.root_ids  # chosen at admission when a ratio decided on them
+            if ids is None:
+                bits = RNG.getrandbits  # not vLLM's seeded global random (rng.py)
+                ids = self.root_ids = RootIds(bits(64), bits(64) or 1, bits(64) or 1)
             # The journey's own bounded copy, never changed after admission: shared.
             headers = self.trace_headers
             target = self.link = LinkTarget(self.request_id, ids, headers)

@@ -5,8 +5,12 @@ the standard ``OTEL_TRACES_SAMPLER`` / ``OTEL_TRACES_SAMPLER_ARG`` values
 (``always_on``, ``always_off``, ``traceidratio``, ``parentbased_always_on`` (the
 default), ``parentbased_always_off``, ``parentbased_traceidratio``). A parent's
 sampled flag is read from the request's W3C ``traceparent`` (its last two hex
-digits). The span builder then uses an always-on sampler: the decision was made
-here, once.
+digits). A ratio is decided on the trace id, by the rule of the SDK's
+``TraceIdRatioBased`` (its low 64 bits below ratio x 2^64), so every journey of
+one trace (``n>1`` siblings, vLLM's own ``llm_request`` span) gets the same
+decision: the client's trace id, or, for a journey that starts its own trace,
+the trace id drawn here and kept for its root. The span builder then uses an
+always-on sampler: the decision was made here, once.
 
 Tail: because the whole journey is known when it ends, a journey head sampling
 dropped is still exported when it was preempted, errored, aborted, or slower
@@ -23,12 +27,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .config import TAIL, TAIL_SLOW_MS, logger
+from .journey import RootIds
 from .rng import RNG
 
 SAMPLER = "OTEL_TRACES_SAMPLER"
 SAMPLER_ARG = "OTEL_TRACES_SAMPLER_ARG"
 
 TAIL_REASONS = ("preempted", "error", "aborted", "slow")
+# TraceIdRatioBased (opentelemetry-sdk 1.x) samples when trace_id & LIMIT < bound.
+TRACE_ID_LIMIT = (1 << 64) - 1
 _SAMPLERS = (
     "always_on",
     "always_off",
@@ -41,22 +48,42 @@ _SAMPLERS = (
 
 @dataclass(frozen=True)
 class HeadSampler:
-    """``sampled()`` runs on the engine thread at admission: a few comparisons."""
+    """``decide()`` runs on the engine thread at admission: a few comparisons."""
 
     parent_based: bool = True
     ratio: float = 1.0
 
-    def sampled(self, trace_headers: Mapping[str, str] | None) -> bool:
-        if self.parent_based and trace_headers:
+    @property
+    def bound(self) -> int:
+        """TraceIdRatioBased's bound: trace ids whose low 64 bits are below it are sampled."""
+        return round(self.ratio * (TRACE_ID_LIMIT + 1))
+
+    def decide(self, trace_headers: Mapping[str, str] | None) -> tuple[bool, RootIds | None]:
+        """Whether the journey is sampled, and, when a ratio decided it for a
+        journey that starts its own trace, the root's ids (its trace id is the
+        one decided on: the root must use it)."""
+        client_trace = 0
+        if trace_headers:
             tp = trace_headers.get("traceparent")
-            # "00-<32 hex>-<16 hex>-<2 hex flags>": the flags are the last two digits.
+            # "00-<32 hex trace id>-<16 hex>-<2 hex flags>"
             if tp is not None and len(tp) == 55 and tp[2] == "-" and tp[52] == "-":
                 try:
-                    return (int(tp[53:55], 16) & 1) == 1
+                    client_trace, flags = int(tp[3:35], 16), int(tp[53:55], 16)
                 except ValueError:
-                    pass  # malformed: the journey is its own root, sampled as one
+                    client_trace = 0  # malformed: the journey is its own root
+                if client_trace and self.parent_based:
+                    return (flags & 1) == 1, None
         ratio = self.ratio
-        return ratio >= 1.0 or (ratio > 0.0 and RNG.random() < ratio)
+        if ratio >= 1.0 or ratio <= 0.0:
+            return ratio >= 1.0, None
+        if client_trace:
+            return (client_trace & TRACE_ID_LIMIT) < self.bound, None
+        bits = RNG.getrandbits  # not vLLM's seeded global random (rng.py)
+        ids = RootIds(bits(64), bits(64) or 1, bits(64) or 1)
+        return ids.trace_lo < self.bound, ids
+
+    def sampled(self, trace_headers: Mapping[str, str] | None) -> bool:
+        return self.decide(trace_headers)[0]
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> HeadSampler:
