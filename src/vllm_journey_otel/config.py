@@ -14,10 +14,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .switch import ENABLE, FALSE_WORDS, TRUE_WORDS
+
 # A child of vLLM's logger, so our lines appear with vLLM's format and level.
 logger = logging.getLogger("vllm.journey_otel")
 
-ENABLE = "VLLM_JOURNEY_OTEL"
 QUEUE_SIZE = "VLLM_JOURNEY_OTEL_QUEUE_SIZE"
 EXPORT_INTERVAL_MS = "VLLM_JOURNEY_OTEL_EXPORT_INTERVAL_MS"
 SHUTDOWN_TIMEOUT_S = "VLLM_JOURNEY_OTEL_SHUTDOWN_TIMEOUT_S"
@@ -34,6 +35,9 @@ TAIL_SLOW_MS = "VLLM_JOURNEY_OTEL_TAIL_SLOW_MS"
 # The engine step view (a vllm.step span per sampled scheduler step).
 STEPS = "VLLM_JOURNEY_OTEL_STEPS"
 STEPS_RATIO = "VLLM_JOURNEY_OTEL_STEPS_RATIO"
+# How our own code competes with vLLM's for the CPU (cpu_yield.py).
+CPU_PRIORITY = "VLLM_JOURNEY_OTEL_CPU_PRIORITY"
+EXPORTER_CPUS = "VLLM_JOURNEY_OTEL_EXPORTER_CPUS"
 
 ALL_VARIABLES = (
     ENABLE,
@@ -50,13 +54,25 @@ ALL_VARIABLES = (
     TAIL_SLOW_MS,
     STEPS,
     STEPS_RATIO,
+    CPU_PRIORITY,
+    EXPORTER_CPUS,
 )
 
 MODE_PROCESS = "process"
 MODE_THREAD = "thread"
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("", "0", "false", "no", "off")
+# CPU_PRIORITY: the lowest the platform allows (Linux SCHED_IDLE, else nice 19),
+# nice 19 only, or the priority inherited from vLLM.
+PRIORITY_IDLE = "idle"
+PRIORITY_NICE = "nice"
+PRIORITY_NORMAL = "normal"
+# EXPORTER_CPUS: the CPUs this process may use except those vLLM binds its own
+# threads to (its CPU backend), every CPU it may use, or an explicit list.
+CPUS_AUTO = "auto"
+CPUS_ALL = "all"
+
+_TRUE = TRUE_WORDS
+_FALSE = FALSE_WORDS
 
 
 @dataclass(frozen=True)
@@ -92,6 +108,12 @@ class Config:
     # scheduler steps that scheduled something. Off: one boolean check per step.
     steps: bool = False
     steps_ratio: float = 1.0
+    # Our threads in vLLM's processes and the exporter process run at this CPU
+    # priority: an observer yields first (vLLM's engine-core loop is one busy
+    # thread per engine; every slice taken from it delays a step).
+    cpu_priority: str = PRIORITY_IDLE
+    # CPUs of the exporter process: CPUS_AUTO, CPUS_ALL, or explicit CPU numbers.
+    exporter_cpus: str | tuple[int, ...] = CPUS_AUTO
 
 
 def _flag(env: Mapping[str, str], name: str, off: str = "Journey tracing stays off") -> bool:
@@ -143,6 +165,41 @@ def _choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str,
     return value
 
 
+def parse_cpu_list(text: str) -> tuple[int, ...] | None:
+    """``"0,2-3"`` -> (0, 2, 3), in Linux's cpulist format; None when malformed."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        low, dash, high = part.strip().partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()):
+            return None
+        first, last = int(low), int(high) if dash else int(low)
+        if last < first or last > 65_535:
+            return None
+        cpus.update(range(first, last + 1))
+    return tuple(sorted(cpus))
+
+
+def _cpus(env: Mapping[str, str], name: str, default: str) -> str | tuple[int, ...]:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value in (CPUS_AUTO, CPUS_ALL):
+        return value
+    cpus = parse_cpu_list(value)
+    if cpus is None:
+        logger.warning(
+            "%s=%r is not %s, %s or a CPU list such as 2,3,8-11; using the default %s.",
+            name,
+            raw,
+            CPUS_AUTO,
+            CPUS_ALL,
+            default,
+        )
+        return default
+    return cpus
+
+
 def from_env(env: Mapping[str, str] | None = None) -> Config:
     """Read the settings from ``env`` (default: ``os.environ``). Never raises."""
     env = os.environ if env is None else env
@@ -159,4 +216,8 @@ def from_env(env: Mapping[str, str] | None = None) -> Config:
         shutdown_grace_ms=int(_number(env, SHUTDOWN_GRACE_MS, d.shutdown_grace_ms, 0, 60_000)),
         steps=_flag(env, STEPS, "The step view stays off"),
         steps_ratio=_number(env, STEPS_RATIO, d.steps_ratio, 0, 1),
+        cpu_priority=_choice(
+            env, CPU_PRIORITY, d.cpu_priority, (PRIORITY_IDLE, PRIORITY_NICE, PRIORITY_NORMAL)
+        ),
+        exporter_cpus=_cpus(env, EXPORTER_CPUS, CPUS_AUTO),
     )

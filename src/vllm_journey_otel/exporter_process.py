@@ -13,7 +13,11 @@ delivered and lost.
 Clock: CLOCK_MONOTONIC is system-wide, so this process's wall-mono-wall anchor
 converts the engine core's ``*_mono_ns`` stamps correctly (same host).
 
-    python -m vllm_journey_otel.exporter_process '<resource attributes as JSON>'
+It runs at the lowest CPU priority and off the CPUs vLLM binds its threads to
+(cpu_yield.py), applied before it starts any thread.
+
+    python -m vllm_journey_otel.exporter_process '<resource attributes as JSON>' \
+        [<pids whose process trees hold vLLM's bound threads, comma-separated>]
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any
 
 from .backpressure import SpanQueueRoom, bsp_sizes, spans_of
 from .config import from_env, logger
+from .cpu_yield import ExporterPlacement
 from .health import ExportHealth, SdkLogGate
 from .provider import make_tracer_provider
 from .sinks import READ_PACE_S, Frame, FrameReader, SpanSink
@@ -113,8 +118,13 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C of vllm serve: finish via EOF
     attributes = json.loads(argv[1]) if len(argv) > 1 else {}
-    _certificate_wins()
+    roots = [int(p) for p in argv[2].split(",") if p.isdigit()] if len(argv) > 2 else []
     config = from_env()
+    # First, before any thread exists: the threads started below inherit it.
+    placement = ExporterPlacement(config.cpu_priority, config.exporter_cpus, roots)
+    logger.info("journey-otel exporter: %s", placement.apply())
+    placement.start_rechecks()
+    _certificate_wins()
     health = ExportHealth()
     gate = SdkLogGate(health)
     gate.install()

@@ -215,6 +215,7 @@ def _pipeline_for(scheduler: Any) -> JourneyPipeline:
                 _make_sink(_resource_attributes(scheduler)),
                 max_queue=cfg.queue_size,
                 interval_s=cfg.export_interval_ms / 1000.0,
+                cpu_priority=cfg.cpu_priority,
             )
             _STATE.pipeline_pid = pid
             # In-process engines exit through atexit; a forked engine core does

@@ -10,7 +10,8 @@ as the backstop: it moves the queued journeys, in one batch, to the sink
 (``sinks.py``: an exporter process in ``process`` mode, or span building in this
 process in ``thread`` mode) when the engine thread does not (its offer was
 declined, bytes of a frame are pending, it stopped stepping, or the sink never
-takes offers), and leaves the queue alone otherwise.
+takes offers), and leaves the queue alone otherwise. It runs at the lowest CPU
+priority (``cpu_yield.lower_priority``).
 
 Process: the engine-core process, created after fork/spawn. Thread-safety:
 ``submit`` is called by one thread (the engine thread); draining is serialised by
@@ -23,7 +24,8 @@ import threading
 import time
 from collections import deque
 
-from .config import logger
+from .config import Config, logger
+from .cpu_yield import lower_priority
 from .journey import Record
 from .sinks import Sink
 
@@ -46,11 +48,13 @@ class JourneyPipeline:
         max_queue: int = 16384,
         interval_s: float = 0.05,
         start_thread: bool = True,
+        cpu_priority: str = Config.cpu_priority,
     ) -> None:
         self.sink = sink
         self._queue: deque[Record] = deque()
         self._max_queue = max_queue
         self._interval_s = interval_s
+        self._cpu_priority = cpu_priority
         self._drain_lock = threading.Lock()
         self._stop = threading.Event()
         # Counters. ``dropped`` is written by the engine thread only; the others
@@ -123,6 +127,8 @@ class JourneyPipeline:
 
     # -- drain thread ------------------------------------------------------
     def _run(self) -> None:
+        # The drain thread yields to vLLM's (cpu_yield.py: priority, not CPUs).
+        logger.debug("journey-otel: drain thread at %s", lower_priority(self._cpu_priority))
         failures = 0
         while not self._stop.wait(self._interval_s):
             try:

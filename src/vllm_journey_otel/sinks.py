@@ -44,6 +44,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from . import schema as S
 from .clock import ClockAnchor
 from .config import EXPORT_MODE, EXPORTER_PROCESSES, QUEUE_SIZE, logger
+from .cpu_yield import placement_roots
 from .health import ExportHealth
 from .journey import Record, StepRecord
 from .spans import ROOT, PresetIdGenerator, emit_spans, plan_spans, plan_step, root_context
@@ -306,6 +307,7 @@ class PipeSink:
             "-m",
             "vllm_journey_otel.exporter_process",
             json.dumps(dict(resource_attributes)),
+            ",".join(str(pid) for pid in placement_roots()),
         ]
         child_env = exporter_env(os.environ if env is None else env)
         fds: list[int] = []

@@ -1,0 +1,222 @@
+"""Our code yields the CPU to vLLM's (cpu_yield.py): priority and CPUs, on real
+threads and processes of this machine (Linux, 2 CPUs in CI)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from services import wait_until
+from vllm_journey_otel import config as C
+from vllm_journey_otel.cpu_yield import (
+    bound_cpus,
+    choose_cpus,
+    format_cpus,
+    lower_priority,
+)
+from vllm_journey_otel.pipeline import JourneyPipeline
+from vllm_journey_otel.sinks import PipeSink
+
+ALLOWED = os.sched_getaffinity(0)
+needs_two_cpus = pytest.mark.skipif(
+    len(ALLOWED) < 2, reason="binding needs two CPUs this process may use"
+)
+
+
+def in_thread(fn):  # type: ignore[no-untyped-def]
+    """Run ``fn`` on a new thread; its result and the thread's policy and nice."""
+    out: list[object] = []
+
+    def body() -> None:
+        result = fn()
+        out.extend([result, os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0)])
+        child: list[int] = []
+        t = threading.Thread(target=lambda: child.append(os.sched_getscheduler(0)))
+        t.start()
+        t.join()
+        out.append(child[0])
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    return out
+
+
+def test_idle_priority_is_sched_idle_inherited_and_only_for_that_thread() -> None:
+    before = os.sched_getscheduler(0)
+    applied, policy, _, child_policy = in_thread(lambda: lower_priority(C.PRIORITY_IDLE))
+    assert applied == "SCHED_IDLE"
+    assert policy == os.SCHED_IDLE and child_policy == os.SCHED_IDLE
+    assert os.sched_getscheduler(0) == before  # the calling thread only
+
+
+def test_nice_priority_is_nice_19() -> None:
+    applied, policy, nice, _ = in_thread(lambda: lower_priority(C.PRIORITY_NICE))
+    assert applied == "nice 19" and nice == 19 and policy == os.SCHED_OTHER
+
+
+def test_normal_priority_leaves_the_thread_alone() -> None:
+    applied, policy, nice, _ = in_thread(lambda: lower_priority(C.PRIORITY_NORMAL))
+    assert applied.startswith("unchanged")
+    assert policy == os.sched_getscheduler(0)
+    assert nice == os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def test_without_sched_idle_falls_back_to_nice_and_says_so(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # A platform without SCHED_IDLE cannot exist here: the constant is removed.
+    monkeypatch.delattr(os, "SCHED_IDLE")
+    applied, policy, nice, _ = in_thread(lambda: lower_priority(C.PRIORITY_IDLE))
+    assert applied == "SCHED_IDLE does not exist on this platform; nice 19"
+    assert nice == 19 and policy == os.SCHED_OTHER
+
+
+def test_drain_thread_runs_at_idle_priority() -> None:
+    pipeline = JourneyPipeline(PipeSink([]), interval_s=0.01)
+    try:
+        thread = pipeline._thread
+        assert thread is not None and thread.native_id is not None
+        tid = thread.native_id
+        wait_until(lambda: os.sched_getscheduler(tid) == os.SCHED_IDLE, 10, 0.01, "SCHED_IDLE")
+        assert os.sched_getscheduler(0) != os.SCHED_IDLE  # the engine thread keeps its own
+    finally:
+        pipeline.shutdown(1)
+
+
+@pytest.mark.parametrize(
+    ("setting", "bound", "cpus", "why"),
+    [
+        (C.CPUS_AUTO, {0}, {1, 2, 3}, "CPUs 1-3, off 0 where vLLM's threads are bound"),
+        (C.CPUS_AUTO, set(), None, "every CPU it may use, 0-3 (vLLM binds no thread)"),
+        (C.CPUS_AUTO, {0, 1, 2, 3}, None, "every CPU it may use, 0-3: vLLM's threads are bound"),
+        (C.CPUS_ALL, {0}, None, "every CPU it may use, 0-3 (VLLM_JOURNEY_OTEL_EXPORTER_CPUS=all)"),
+        ((2, 3, 9), {0}, {2, 3}, "CPUs 2-3 (VLLM_JOURNEY_OTEL_EXPORTER_CPUS)"),
+        ((8, 9), {0}, None, "none of VLLM_JOURNEY_OTEL_EXPORTER_CPUS=8-9 is allowed"),
+    ],
+)
+def test_choose_cpus(setting, bound, cpus, why) -> None:  # type: ignore[no-untyped-def]
+    got, text = choose_cpus(setting, {0, 1, 2, 3}, bound)
+    assert got == cpus
+    assert why in text
+
+
+def test_cpu_lists_parse_and_format_as_linux_writes_them() -> None:
+    assert C.parse_cpu_list("0,2-3, 8-11") == (0, 2, 3, 8, 9, 10, 11)
+    for bad in ("", "a", "3-1", "1-", "-2", "1,,2"):
+        assert C.parse_cpu_list(bad) is None, bad
+    assert format_cpus([5, 0, 1, 2, 9, 10]) == "0-2,5,9-10"
+    assert format_cpus([]) == ""
+
+
+@pytest.mark.parametrize("raw", ["idle", "NICE", "normal"])
+def test_cpu_priority_setting(raw: str) -> None:
+    assert C.from_env({C.ENABLE: "1", C.CPU_PRIORITY: raw}).cpu_priority == raw.lower()
+
+
+def test_bad_cpu_settings_warn_and_use_the_defaults(caplog) -> None:  # type: ignore[no-untyped-def]
+    caplog.set_level(logging.WARNING, logger="vllm.journey_otel")
+    cfg = C.from_env({C.ENABLE: "1", C.CPU_PRIORITY: "realtime", C.EXPORTER_CPUS: "0-"})
+    assert cfg.cpu_priority == C.PRIORITY_IDLE and cfg.exporter_cpus == C.CPUS_AUTO
+    text = caplog.text
+    assert "VLLM_JOURNEY_OTEL_CPU_PRIORITY='realtime' is not one of idle/nice/normal" in text
+    assert "VLLM_JOURNEY_OTEL_EXPORTER_CPUS='0-' is not auto, all or a CPU list" in text
+    ok = C.from_env({C.ENABLE: "1", C.EXPORTER_CPUS: "1,0"})
+    assert ok.exporter_cpus == (0, 1)
+
+
+BOUND_CHILD = """
+import os, sys, threading, time
+cpu = int(sys.argv[1])
+if sys.argv[2] == "process":
+    os.sched_setaffinity(0, {cpu})
+else:  # one thread bound, as OpenMP binds its threads
+    threading.Thread(target=lambda: (os.sched_setaffinity(0, {cpu}), time.sleep(600))).start()
+print("bound", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def bound_child() -> Iterator[subprocess.Popen[str]]:
+    """A child of this process with a thread bound to the last CPU, as vLLM's
+    CPU worker binds its threads; the test process tree's root is this process."""
+    cpu = max(ALLOWED)
+    child = subprocess.Popen(
+        [sys.executable, "-c", BOUND_CHILD, str(cpu), "thread"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "bound"
+        yield child
+    finally:
+        child.kill()
+        child.wait()
+
+
+@needs_two_cpus
+def test_bound_cpus_found_in_the_process_tree(bound_child) -> None:  # type: ignore[no-untyped-def]
+    assert bound_cpus([os.getpid()], ALLOWED) == {max(ALLOWED)}
+    assert bound_cpus([bound_child.pid], ALLOWED) == {max(ALLOWED)}
+    # A process that binds nothing, and a tree that is gone, give nothing.
+    free = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert bound_cpus([free.pid], ALLOWED) == set()
+    finally:
+        free.kill()
+        free.wait()
+    assert bound_cpus([free.pid], ALLOWED) == set()
+
+
+def _exporter_placement(pid: int) -> set[tuple[int, frozenset[int]]]:
+    proc = psutil.Process(pid)
+    return {
+        (os.sched_getscheduler(t.id), frozenset(os.sched_getaffinity(t.id))) for t in proc.threads()
+    }
+
+
+@needs_two_cpus
+def test_exporter_process_idles_off_the_bound_cpus(bound_child, monkeypatch, capfd) -> None:  # type: ignore[no-untyped-def]
+    for key in list(os.environ):
+        if key.startswith(("OTEL_", "VLLM_JOURNEY_OTEL_")):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    sink = PipeSink.start({"service.name": "yield"})
+    try:
+        assert sink.pid is not None
+        rest = frozenset(ALLOWED - {max(ALLOWED)})
+        # Every thread of the exporter (its SDK's too): SCHED_IDLE, off the bound CPU.
+        wanted = {(os.SCHED_IDLE, rest)}
+        wait_until(lambda: _exporter_placement(sink.pid) == wanted, 30, 0.05, "placement")
+        assert len(psutil.Process(sink.pid).threads()) >= 2
+    finally:
+        sink.shutdown(5)
+        psutil.wait_procs([psutil.Process(sink.pid)], timeout=30)
+    line = f"CPU priority SCHED_IDLE; CPUs {format_cpus(rest)}, off {max(ALLOWED)} where"
+    assert line in capfd.readouterr().err
+
+
+@needs_two_cpus
+def test_exporter_placement_off_switches(bound_child, monkeypatch, capfd) -> None:  # type: ignore[no-untyped-def]
+    for key in list(os.environ):
+        if key.startswith(("OTEL_", "VLLM_JOURNEY_OTEL_")):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    monkeypatch.setenv(C.ENABLE, "1")
+    monkeypatch.setenv(C.CPU_PRIORITY, C.PRIORITY_NORMAL)
+    monkeypatch.setenv(C.EXPORTER_CPUS, C.CPUS_ALL)
+    sink = PipeSink.start({"service.name": "no-yield"})
+    try:
+        assert sink.pid is not None
+        err: list[str] = []
+        wait_until(lambda: err.append(capfd.readouterr().err) or "CPU priority" in "".join(err),
+                   30, 0.05, "the placement log line")  # fmt: skip
+        assert "CPU priority unchanged (VLLM_JOURNEY_OTEL_CPU_PRIORITY=normal)" in "".join(err)
+        assert _exporter_placement(sink.pid) == {(os.SCHED_OTHER, frozenset(ALLOWED))}
+    finally:
+        sink.shutdown(5)
+        psutil.wait_procs([psutil.Process(sink.pid)], timeout=30)
