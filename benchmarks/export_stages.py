@@ -38,9 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from export_bench import RESOURCE, journeys
 
+from vllm_journey_otel.exporter_launch import EXPORTER_BSP_DEFAULTS
 from vllm_journey_otel.exporter_process import tune_gc
 from vllm_journey_otel.provider import make_tracer_provider
-from vllm_journey_otel.sinks import DECODER, EXPORTER_BSP_DEFAULTS, PipeSink
+from vllm_journey_otel.sinks import DECODER, PipeSink
 from vllm_journey_otel.spans import emit_spans, plan_spans, root_context
 
 FRAME_JOURNEYS = 100

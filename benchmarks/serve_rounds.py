@@ -268,7 +268,7 @@ def main() -> None:
     receiver = Receiver()
     receiver.start_grpc()
     from vllm_journey_otel.config import Config
-    from vllm_journey_otel.sinks import EXPORTER_BSP_DEFAULTS
+    from vllm_journey_otel.exporter_launch import EXPORTER_BSP_DEFAULTS
 
     on = {
         # The test fixture shortens the export delays; back to the product's defaults.

@@ -241,7 +241,7 @@ def test_a_stop_request_reads_what_is_in_the_pipe_then_ends() -> None:
 
 
 def test_exporter_env_fits_the_batch_to_a_users_queue() -> None:
-    from vllm_journey_otel.sinks import EXPORTER_BSP_DEFAULTS, exporter_env
+    from vllm_journey_otel.exporter_launch import EXPORTER_BSP_DEFAULTS, exporter_env
 
     assert {k: exporter_env({})[k] for k in EXPORTER_BSP_DEFAULTS} == EXPORTER_BSP_DEFAULTS
     # A queue below our 2,048-span batch: the SDK would refuse the batch and the

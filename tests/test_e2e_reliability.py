@@ -16,6 +16,7 @@ and an in-test OTLP receiver; nothing is mocked.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import signal
 import threading
@@ -391,3 +392,72 @@ def _bad_input(server: VllmServer, receiver: Receiver) -> int:
         elif rid.startswith("cmpl-long-"):
             assert len(rid) == 1024, "attribute values are cut at the length limit"
     return tried
+
+
+# ---------------------------------------------------------------------------
+# The exporter process killed while serving (as an OOM killer would)
+# ---------------------------------------------------------------------------
+def test_a_killed_exporter_is_replaced_while_serving(model_dir, receiver, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Requests keep coming while the exporter is SIGKILLed; serving goes on, the
+    engine core starts a new exporter, and the journeys of requests sent after
+    it started arrive whole, their roots counting what was dropped meanwhile."""
+    server = start_server(model_dir, tmp_path, receiver, "3proc")
+    endpoint = f"http://127.0.0.1:{receiver.grpc_port}"
+    stop = threading.Event()
+    answered: list[int] = []
+    errors: list[BaseException] = []
+
+    def traffic() -> None:  # sequential, bounded in count and time
+        c = client(server)
+        for i in range(400):
+            if stop.is_set():
+                return
+            try:
+                r = c.completions.create(
+                    model=server.model, prompt=f"during {i}", max_tokens=8,
+                    extra_body={"ignore_eos": True},
+                )  # fmt: skip
+                answered.append(r.usage.completion_tokens)
+            except BaseException as exc:  # serving must go on: any failure fails the test
+                errors.append(exc)
+                return
+
+    try:
+        (old,) = wait_until(lambda: _exporter_pids(endpoint), 60, 0.2, "the exporter")
+        background = threading.Thread(target=traffic, daemon=True)
+        background.start()
+        wait_until(lambda: len(answered) >= 5, 120, 0.05, "traffic before the kill")
+        os.kill(old, signal.SIGKILL)
+        psutil.wait_procs([psutil.Process(old)], timeout=10)
+        at_kill = len(answered)
+        new = wait_until(
+            lambda: [p for p in _exporter_pids(endpoint) if p != old], 60, 0.1, "a new exporter"
+        )
+        wait_until(lambda: len(answered) >= at_kill + 5, 120, 0.05, "traffic after the restart")
+        c = client(server)
+        after = []
+        for i in range(4):
+            tp, trace_id, _ = new_traceparent()
+            r = c.completions.create(
+                model=server.model, prompt=f"after {i}", max_tokens=8,
+                extra_headers={"traceparent": tp}, extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            assert r.usage.completion_tokens == 8
+            after.append(trace_id)
+        stop.set()
+        background.join(120)
+        roots = [journeys_in_trace(receiver, trace_id)[0] for trace_id in after]
+    finally:
+        stop.set()
+        server.stop()
+    assert not errors, errors[:1]
+    assert answered and all(n == 8 for n in answered)
+    for root in roots:
+        check_invariants(root)
+        assert root.attrs[S.FINISH_STATUS] == S.FINISH_LENGTH
+    log = server.log_path.read_text(errors="replace")
+    assert f"exporter process {old} is gone (0 left); a new one starts in" in log
+    m = re.search(rf"exporter process {new[0]} started in place of a lost one; (\d+) journeys", log)
+    assert m, server.tail()
+    # What was dropped while none ran is counted on the roots exported after it.
+    assert all(int(r.attrs[S.TRACER_DROPPED_JOURNEYS]) >= int(m.group(1)) for r in roots)  # type: ignore[call-overload]

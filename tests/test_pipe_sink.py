@@ -18,25 +18,12 @@ import psutil
 import pytest
 
 from otlp_receiver import Receiver
+from records import journeys
 from services import wait_until
 from vllm_journey_otel import schema as S
-from vllm_journey_otel.journey import STATUS_LENGTH, FinishedJourney, RequestJourney
-from vllm_journey_otel.sinks import F_SETPIPE_SZ, PipeSink, read_frames
+from vllm_journey_otel.exporter_launch import F_SETPIPE_SZ
+from vllm_journey_otel.sinks import PipeSink, read_frames
 from vllm_journey_otel.spans import plan_spans
-
-MS = 1_000_000
-
-
-def journeys(n: int, start: int = 0) -> list[FinishedJourney]:
-    out = []
-    base = time.monotonic_ns()
-    for i in range(start, start + n):
-        t = base + i * MS
-        j = RequestJourney(f"req-{i}", time.time(), t, i, 100, 8)
-        j.scheduled(t + MS, i, 0, 100, 100, 0)
-        j.tokens(t + 2 * MS, i, 1)
-        out.append(j.finish(t + 3 * MS, i, STATUS_LENGTH, "length", 8, t + 3 * MS))
-    return out
 
 
 def ids(frames: list) -> list[str]:  # type: ignore[type-arg]

@@ -132,6 +132,7 @@ class JourneyPipeline:
         failures = 0
         while not self._stop.wait(self._interval_s):
             try:
+                self.sink.maintain()  # a lost exporter is noticed and replaced here
                 if self.engine_hands_on():
                     with self._drain_lock:
                         self._report_drops()

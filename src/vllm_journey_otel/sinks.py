@@ -25,12 +25,10 @@ Threading: ``consume`` is called by the pipeline's drain thread only.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import select
 import struct
-import subprocess
 import sys
 import threading
 import time
@@ -45,6 +43,7 @@ from . import schema as S
 from .clock import ClockAnchor
 from .config import EXPORT_MODE, EXPORTER_PROCESSES, QUEUE_SIZE, logger
 from .cpu_yield import placement_roots
+from .exporter_launch import Restarts, exporter_env, launch
 from .health import ExportHealth
 from .journey import Record, StepRecord
 from .spans import ROOT, PresetIdGenerator, emit_spans, plan_spans, plan_step, root_context
@@ -52,7 +51,6 @@ from .spans import ROOT, PresetIdGenerator, emit_spans, plan_spans, plan_step, r
 NO_PARENT = otel_context.Context()
 
 FRAME_HEADER = struct.Struct("<I")
-F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # Linux
 # Frames larger than this are refused by the reader (a corrupt length).
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 
@@ -93,6 +91,9 @@ class Sink(Protocol):
         """Handle a batch; returns how many journeys failed. ``deadline``
         (``time.monotonic()``): stop waiting for the receiving end then; what is
         not taken stays pending (None: wait as long as it takes)."""
+
+    def maintain(self) -> None:
+        """Drain thread, every wake-up: notice and replace what went away."""
 
     def flush(self, timeout_s: float) -> bool:
         """Push everything out within ``timeout_s``; True when done."""
@@ -137,6 +138,9 @@ class SpanSink:
     @property
     def pending(self) -> bool:
         return False
+
+    def maintain(self) -> None:
+        pass  # the SDK's processors keep themselves
 
     def consume(
         self, batch: Sequence[Record], engine_dropped: int = 0, deadline: float | None = None
@@ -195,53 +199,8 @@ class SpanSink:
         self.provider.shutdown()
 
 
-# The SDK's BatchSpanProcessor defaults (2,048-span queue, 512-span batches every
-# 5 s) drop spans above a few hundred journeys a second; the exporter process
-# starts with larger ones unless the user set OTEL_BSP_* themselves.
-# The queue is what an outage costs in memory: a queued SDK span holds about
-# 3-5 KB, so 32,768 spans bound it near 150-200 MB per exporter process
-# (measured: 262,144 spans held 850 MB while the backend black-holed every
-# export). Batches of 2,048 spans: ~0.9 MB of OTLP (~430 bytes a span), well
-# under the 4 MiB a gRPC server (the Collector's default) accepts, where 16,384
-# fail outright; ~3 % less CPU than 4,096 (benchmarks/export_bench.py), and one
-# export round trip of 50 ms still carries ~40,000 spans a second.
-EXPORTER_BSP_DEFAULTS = {
-    "OTEL_BSP_MAX_QUEUE_SIZE": "32768",
-    "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "2048",
-    "OTEL_BSP_SCHEDULE_DELAY": "500",
-}
-
-
-def exporter_env(env: Mapping[str, str]) -> dict[str, str]:
-    """The exporter process's environment: ``env`` with our batch processor
-    defaults where the user set none.
-
-    A user's queue without a batch size gets batches of half the queue at most:
-    the SDK refuses a batch larger than its queue (the exporter would not
-    start), and span building needs room beside a full batch (backpressure.py).
-    """
-    # An empty value (a compose file's ``VAR: ${VAR}`` with VAR unset) is unset.
-    child = {k: v for k, v in env.items() if not (k.startswith("OTEL_BSP_") and not v.strip())}
-    user_queue = child.get("OTEL_BSP_MAX_QUEUE_SIZE", "").strip()
-    user_batch = child.get("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "").strip()
-    for key, value in EXPORTER_BSP_DEFAULTS.items():
-        child.setdefault(key, value)
-    try:
-        queue = int(user_queue) if user_queue else 0
-    except ValueError:
-        queue = 0  # the SDK complains about it and uses its default
-    if queue > 0 and not user_batch:
-        ours = int(EXPORTER_BSP_DEFAULTS["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"])
-        child["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"] = str(max(1, min(ours, queue // 2)))
-    return child
-
-
-# Starts the exporter in a new session and writes its pid to the fd in argv[1].
-_LAUNCHER = (
-    "import os, subprocess, sys\n"
-    "p = subprocess.Popen(sys.argv[2:], stdin=sys.stdin, start_new_session=True, close_fds=True)\n"
-    "os.write(int(sys.argv[1]), str(p.pid).encode())\n"
-)
+# The drain thread's maintain() waits at most this long for the sink's lock.
+DRAIN_LOCK_S = 0.2
 
 
 class FrameLost(Exception):
@@ -263,8 +222,13 @@ class PipeSink:
     the journeys take the queue; bytes an offer could only partly write are
     finished by the drain thread, which may block (the engine thread never does).
 
-    An exporter that is gone (its pipe broke) is left out from then on; the sink
-    is ``broken`` (journeys dropped and counted) when none is left.
+    An exporter that is gone (its pipe broke, seen by a write or by the drain
+    thread's :meth:`maintain`) is left out and, when the sink was started with
+    :meth:`start`, replaced on the drain thread after a backoff
+    (``exporter_launch.Restarts``: 0.5 s doubling to 30 s, at most 4 starts a
+    minute). While none is left the sink is ``broken``: journeys are dropped and
+    counted, and the count reaches the roots of the journeys exported after the
+    replacement (``vllm.journey.tracer.dropped_journeys``).
     """
 
     def __init__(self, fd: int | Sequence[int], pid: int | None = None) -> None:
@@ -287,6 +251,13 @@ class PipeSink:
         # pipeline never hears of them (``offer`` had returned True), so the next
         # frames add them to the engine's drop count they carry.
         self.lost_pending = 0
+        # Replacing lost exporters (drain thread): how to start one, how many to keep.
+        self._recipe: tuple[list[str], dict[str, str], str | None] | None = None
+        self.wanted = len(self._fds)
+        self._pid_of: dict[int, int | None] = dict(zip(self._fds, self.pids, strict=False))
+        self.restarts = Restarts()
+        self.dropped_down = 0  # journeys refused since the last exporter went away
+        self._closing = False
 
     @property
     def exporters(self) -> int:
@@ -314,7 +285,7 @@ class PipeSink:
         pids: list[int] = []
         try:
             for _ in range(max(1, processes)):
-                fd, pid = _launch(argv, child_env, python)
+                fd, pid = launch(argv, child_env, python)
                 fds.append(fd)
                 if pid is not None:
                     pids.append(pid)
@@ -325,6 +296,8 @@ class PipeSink:
             raise
         sink = cls(fds, pids[0] if pids else None)
         sink.pids = pids
+        sink._pid_of = dict(zip(fds, pids, strict=False))
+        sink._recipe = (argv, child_env, python)
         return sink
 
     @staticmethod
@@ -340,23 +313,79 @@ class PipeSink:
         return sorted(fds, key=self._sent.__getitem__)
 
     def _lost_exporter(self, fd: int) -> None:
-        """The exporter behind ``fd`` is gone: stop writing to it."""
-        if fd in self._fds:
-            self._fds.remove(fd)
+        """The exporter behind ``fd`` is gone: stop writing to it, plan its replacement."""
+        if fd not in self._fds:
+            return
+        self._fds.remove(fd)
+        pid = self._pid_of.pop(fd, None)
         with contextlib.suppress(OSError):
             os.close(fd)
-        if self._fds:
-            logger.warning(
-                "journey-otel: an exporter process is gone; %d remain",
-                len(self._fds),
-                exc_info=True,
-            )
-        else:
+        if not self._fds:
             self.broken = True
+            self.dropped_down = 0
+        if self._recipe is None or self._closing:
+            then = "journeys are dropped from now on" if self.broken else "the others go on"
+        else:
+            delay = self.restarts.lost(time.monotonic())
+            then = f"a new one starts in {delay:.1f} s"
+            if self.broken:
+                then += "; journeys are dropped (and counted) until then"
+        logger.warning(
+            "journey-otel: exporter process %s is gone (%d left); %s",
+            pid if pid is not None else "?",
+            len(self._fds),
+            then,
+        )
+
+    def maintain(self) -> None:
+        """Drain thread: notice exporters gone while nothing was written (the
+        pipe's reader closed), and start their replacements when due."""
+        if self._closing:
+            return
+        if self._fds and self._lock.acquire(timeout=DRAIN_LOCK_S):
+            try:
+                poller = select.poll()
+                for fd in self._fds:
+                    poller.register(fd, 0)  # POLLERR/POLLHUP are always reported
+                for fd, _ in poller.poll(0):
+                    self._lost_exporter(fd)
+            finally:
+                self._lock.release()
+        now = time.monotonic()
+        if (
+            self._recipe is None
+            or len(self._fds) >= self.wanted
+            or not self.restarts.may_start(now)
+        ):
+            return
+        argv, env, python = self._recipe
+        try:
+            fd, pid = launch(argv, env, python)
+        except Exception:
+            self.restarts.did_start(now, more_wanted=True)
             logger.warning(
-                "journey-otel: the exporter process is gone; journeys are dropped from now on",
+                "journey-otel: could not start a new exporter process; trying again later",
                 exc_info=True,
             )
+            return
+        os.set_blocking(fd, False)
+        with self._lock:
+            if self._closing:  # shut down meanwhile: the new one sees end-of-file
+                os.close(fd)
+                return
+            was_broken = self.broken
+            self._fds.append(fd)
+            self._sent[fd] = 0
+            self._pid_of[fd] = pid
+            if pid is not None:
+                self.pids.append(pid)
+            self.broken = False
+            self.restarts.did_start(now, more_wanted=len(self._fds) < self.wanted)
+        logger.warning(
+            "journey-otel: exporter process %s started in place of a lost one%s",
+            pid if pid is not None else "?",
+            f"; {self.dropped_down} journeys were dropped while none ran" if was_broken else "",
+        )
 
     takes_offers = True
 
@@ -454,6 +483,7 @@ class PipeSink:
         self, batch: Sequence[Record], engine_dropped: int = 0, deadline: float | None = None
     ) -> int:
         if self.broken:
+            self.dropped_down += len(batch)
             return len(batch)
         with self._lock:
             if self._pending:
@@ -502,6 +532,7 @@ class PipeSink:
         return True
 
     def shutdown(self, timeout_s: float) -> None:
+        self._closing = True  # no replacement from now on
         deadline = time.monotonic() + max(0.0, timeout_s)
         self.flush(timeout_s)
         # Not under a writer's feet: a descriptor closed (and its number reused)
@@ -517,37 +548,6 @@ class PipeSink:
             self._fds = []
         finally:
             self._lock.release()
-
-
-def _launch(argv: list[str], env: dict[str, str], python: str | None) -> tuple[int, int | None]:
-    """Start one exporter through the launcher; the write end of its pipe, its pid."""
-    read_fd, write_fd = os.pipe()
-    pid_r, pid_w = os.pipe()
-    try:
-        launcher = subprocess.run(
-            [python or sys.executable, "-c", _LAUNCHER, str(pid_w), *argv],
-            stdin=read_fd,
-            env=env,
-            pass_fds=(pid_w,),
-            timeout=30,
-            check=False,
-        )
-        os.close(pid_w)
-        pid_w = -1  # closed: never close the number again (another thread may reuse it)
-        pid_text = os.read(pid_r, 32)
-    except BaseException:
-        os.close(write_fd)  # an exporter that did start sees end-of-file and exits
-        raise
-    finally:
-        for fd in (read_fd, pid_r, pid_w):
-            if fd >= 0:
-                os.close(fd)
-    if launcher.returncode != 0:
-        os.close(write_fd)
-        raise RuntimeError(f"exporter launcher exited with {launcher.returncode}")
-    with contextlib.suppress(OSError):  # a bigger pipe: fewer declined offers
-        fcntl.fcntl(write_fd, F_SETPIPE_SZ, 1 << 20)
-    return write_fd, int(pid_text) if pid_text.strip().isdigit() else None
 
 
 # The exporter reads the pipe at most this often while journeys keep coming:

@@ -1,0 +1,152 @@
+"""Starting exporter processes, and starting them again when one dies.
+
+Engine-core process. :func:`launch` runs on the thread that builds the
+Scheduler (the first exporters) or on the pipeline's drain thread (a
+replacement), never on the engine thread's step path. :class:`Restarts` is the
+drain thread's; its times are ``time.monotonic()`` seconds.
+
+The exporter is started through a short-lived launcher so that it is not a
+descendant of the engine core: vLLM's ``kill_process_tree`` kills descendants,
+and the exporter must outlive the engine core to export what the pipe still
+holds. It inherits the engine core's environment with our batch-processor
+defaults where the user set none (:func:`exporter_env`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import subprocess
+import sys
+from collections import deque
+from collections.abc import Mapping
+
+F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # Linux
+
+# The SDK's BatchSpanProcessor defaults (2,048-span queue, 512-span batches every
+# 5 s) drop spans above a few hundred journeys a second; the exporter process
+# starts with larger ones unless the user set OTEL_BSP_* themselves.
+# The queue is what an outage costs in memory: a queued SDK span holds about
+# 3-5 KB, so 32,768 spans bound it near 150-200 MB per exporter process
+# (measured: 262,144 spans held 850 MB while the backend black-holed every
+# export). Batches of 2,048 spans: ~0.9 MB of OTLP (~430 bytes a span), well
+# under the 4 MiB a gRPC server (the Collector's default) accepts, where 16,384
+# fail outright; ~3 % less CPU than 4,096 (benchmarks/export_bench.py), and one
+# export round trip of 50 ms still carries ~40,000 spans a second.
+EXPORTER_BSP_DEFAULTS = {
+    "OTEL_BSP_MAX_QUEUE_SIZE": "32768",
+    "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "2048",
+    "OTEL_BSP_SCHEDULE_DELAY": "500",
+}
+
+
+def exporter_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The exporter process's environment: ``env`` with our batch processor
+    defaults where the user set none.
+
+    A user's queue without a batch size gets batches of half the queue at most:
+    the SDK refuses a batch larger than its queue (the exporter would not
+    start), and span building needs room beside a full batch (backpressure.py).
+    """
+    # An empty value (a compose file's ``VAR: ${VAR}`` with VAR unset) is unset.
+    child = {k: v for k, v in env.items() if not (k.startswith("OTEL_BSP_") and not v.strip())}
+    user_queue = child.get("OTEL_BSP_MAX_QUEUE_SIZE", "").strip()
+    user_batch = child.get("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "").strip()
+    for key, value in EXPORTER_BSP_DEFAULTS.items():
+        child.setdefault(key, value)
+    try:
+        queue = int(user_queue) if user_queue else 0
+    except ValueError:
+        queue = 0  # the SDK complains about it and uses its default
+    if queue > 0 and not user_batch:
+        ours = int(EXPORTER_BSP_DEFAULTS["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"])
+        child["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"] = str(max(1, min(ours, queue // 2)))
+    return child
+
+
+# Starts the exporter in a new session and writes its pid to the fd in argv[1].
+_LAUNCHER = (
+    "import os, subprocess, sys\n"
+    "p = subprocess.Popen(sys.argv[2:], stdin=sys.stdin, start_new_session=True, close_fds=True)\n"
+    "os.write(int(sys.argv[1]), str(p.pid).encode())\n"
+)
+
+
+def launch(argv: list[str], env: dict[str, str], python: str | None) -> tuple[int, int | None]:
+    """Start one exporter through the launcher; the write end of its pipe, its pid."""
+    read_fd, write_fd = os.pipe()
+    pid_r, pid_w = os.pipe()
+    try:
+        launcher = subprocess.run(
+            [python or sys.executable, "-c", _LAUNCHER, str(pid_w), *argv],
+            stdin=read_fd,
+            env=env,
+            pass_fds=(pid_w,),
+            timeout=30,
+            check=False,
+        )
+        os.close(pid_w)
+        pid_w = -1  # closed: never close the number again (another thread may reuse it)
+        pid_text = os.read(pid_r, 32)
+    except BaseException:
+        os.close(write_fd)  # an exporter that did start sees end-of-file and exits
+        raise
+    finally:
+        for fd in (read_fd, pid_r, pid_w):
+            if fd >= 0:
+                os.close(fd)
+    if launcher.returncode != 0:
+        os.close(write_fd)
+        raise RuntimeError(f"exporter launcher exited with {launcher.returncode}")
+    with contextlib.suppress(OSError):  # a bigger pipe: fewer declined offers
+        fcntl.fcntl(write_fd, F_SETPIPE_SZ, 1 << 20)
+    return write_fd, int(pid_text) if pid_text.strip().isdigit() else None
+
+
+# A lost exporter is replaced after these many seconds, doubling per loss in a
+# row up to the last; a replacement that lived RESET_AFTER_S starts the row
+# again. At most MAX_PER_WINDOW starts in any WINDOW_S.
+FIRST_DELAY_S = 0.5
+MAX_DELAY_S = 30.0
+RESET_AFTER_S = 60.0
+MAX_PER_WINDOW = 4
+WINDOW_S = 60.0
+
+
+class Restarts:
+    """When the next replacement may start (drain thread; ``time.monotonic()``)."""
+
+    def __init__(self) -> None:
+        self.delay_s = FIRST_DELAY_S
+        self.due: float | None = None  # a replacement is wanted from then on
+        self.started: deque[float] = deque()  # recent starts, for the window
+        self.last_start = -RESET_AFTER_S
+        self.count = 0  # replacements started, for the log
+
+    def lost(self, now: float) -> float:
+        """An exporter went away at ``now``; returns the delay before its replacement."""
+        if now - self.last_start >= RESET_AFTER_S:
+            self.delay_s = FIRST_DELAY_S  # the last one lived long: not a crash loop
+        if self.due is None:
+            self.due = now + self.delay_s
+        return self.due - now
+
+    def may_start(self, now: float) -> bool:
+        """Whether a replacement may start now (its delay passed, the window has room)."""
+        if self.due is None or now < self.due:
+            return False
+        while self.started and now - self.started[0] >= WINDOW_S:
+            self.started.popleft()
+        if len(self.started) >= MAX_PER_WINDOW:
+            self.due = self.started[0] + WINDOW_S
+            return False
+        return True
+
+    def did_start(self, now: float, more_wanted: bool) -> None:
+        """A start was tried at ``now`` (it may have failed: the next waits longer)."""
+        self.started.append(now)
+        self.last_start = now
+        self.count += 1
+        self.delay_s = min(MAX_DELAY_S, self.delay_s * 2)
+        self.due = now + self.delay_s if more_wanted else None

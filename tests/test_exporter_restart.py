@@ -1,0 +1,124 @@
+"""A lost exporter process is replaced (sinks.PipeSink.maintain, exporter_launch.Restarts):
+real exporter processes, SIGKILLed as an OOM killer would, a real OTLP receiver."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from otlp_receiver import Receiver
+from records import journeys
+from services import wait_until
+from vllm_journey_otel import schema as S
+from vllm_journey_otel.exporter_launch import (
+    FIRST_DELAY_S,
+    MAX_DELAY_S,
+    MAX_PER_WINDOW,
+    RESET_AFTER_S,
+    WINDOW_S,
+    Restarts,
+)
+from vllm_journey_otel.pipeline import JourneyPipeline
+from vllm_journey_otel.sinks import PipeSink
+
+
+def test_backoff_doubles_in_a_row_and_the_window_caps_starts() -> None:
+    r = Restarts()
+    t = 0.0
+    for delay in (FIRST_DELAY_S, 2 * FIRST_DELAY_S, 4 * FIRST_DELAY_S, 8 * FIRST_DELAY_S):
+        assert r.lost(t) == delay  # each replacement died at once: a crash loop
+        assert not r.may_start(t + delay - 0.01) and r.may_start(t + delay)
+        r.did_start(t + delay, more_wanted=False)
+        t += delay + 0.1
+    # A fifth start within WINDOW_S waits for the first of the four to leave it.
+    due = t + r.lost(t)
+    assert not r.may_start(due)
+    assert r.due == FIRST_DELAY_S + WINDOW_S and r.may_start(r.due)
+    r.did_start(r.due, more_wanted=False)
+    assert MAX_PER_WINDOW == 4
+    for _ in range(10):
+        r.did_start(r.last_start + WINDOW_S, more_wanted=False)
+    assert r.delay_s == MAX_DELAY_S  # capped
+    # A replacement that lived long is not part of a crash loop: the row starts again.
+    assert r.lost(r.last_start + RESET_AFTER_S) == FIRST_DELAY_S
+
+
+@pytest.fixture
+def exporting(monkeypatch) -> Iterator[Receiver]:  # type: ignore[no-untyped-def]
+    receiver = Receiver()
+    receiver.start_grpc()
+    for key in list(os.environ):
+        if key.startswith(("OTEL_", "VLLM_JOURNEY_OTEL")):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
+    monkeypatch.setenv(
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{receiver.grpc_port}"
+    )
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    yield receiver
+    receiver.stop()
+
+
+def roots_of(receiver: Receiver, prefix: str = "req-") -> dict[str, object]:
+    return {
+        str(s.attrs[S.REQUEST_ID]): s
+        for s in receiver.spans()
+        if s.name == S.SPAN_REQUEST and str(s.attrs[S.REQUEST_ID]).startswith(prefix)
+    }
+
+
+def test_a_killed_exporter_is_replaced_and_journeys_flow_again(exporting, caplog) -> None:  # type: ignore[no-untyped-def]
+    receiver = exporting
+    caplog.set_level(logging.WARNING, logger="vllm.journey_otel")
+    sink = PipeSink.start({"service.name": "restart"})
+    pipeline = JourneyPipeline(sink, interval_s=0.02)
+    old = sink.pid
+    assert old is not None
+    try:
+        for j in journeys(5):
+            pipeline.submit(j)
+        wait_until(lambda: len(roots_of(receiver)) == 5, 60, 0.05, "the first journeys")
+        os.kill(old, signal.SIGKILL)  # as the OOM killer would
+        # Noticed by the drain thread without a write (the pipe's reader closed);
+        # the replacement starts FIRST_DELAY_S later.
+        wait_until(lambda: sink.broken, 10, 0.002, "the loss noticed")
+        for j in journeys(3, start=50):  # while none runs: dropped and counted
+            pipeline.submit(j)
+        pipeline.drain()
+        assert pipeline.failed == 3
+        wait_until(lambda: not sink.broken and sink.exporters == 1, 30, 0.02, "a new exporter")
+        new = sink.pids[-1]
+        assert new != old and psutil.pid_exists(new)
+        for j in journeys(5, start=100):
+            pipeline.submit(j)
+        wait_until(lambda: len(roots_of(receiver)) == 10, 60, 0.05, "journeys after the restart")
+    finally:
+        pipeline.shutdown(5)
+    roots = roots_of(receiver)
+    assert sorted(roots) == sorted(
+        [f"req-{i}" for i in range(5)] + [f"req-{i}" for i in range(100, 105)]
+    )
+    for i in range(100, 105):  # the loss reaches the roots exported after it
+        assert roots[f"req-{i}"].attrs[S.TRACER_DROPPED_JOURNEYS] == 3  # type: ignore[attr-defined]
+    err = caplog.text
+    assert (
+        f"exporter process {old} is gone (0 left); a new one starts in {FIRST_DELAY_S:.1f} s" in err
+    )
+    assert f"exporter process {new} started in place of a lost one; 3 journeys were" in err
+
+
+def test_no_replacement_after_shutdown(exporting) -> None:  # type: ignore[no-untyped-def]
+    sink = PipeSink.start({"service.name": "closing"})
+    pid = sink.pid
+    assert pid is not None
+    sink.shutdown(5)
+    os.kill(pid, signal.SIGKILL)
+    psutil.wait_procs([psutil.Process(pid)], timeout=10)
+    for _ in range(3):
+        sink.maintain()
+    assert sink.pids == [pid] and sink.restarts.count == 0
