@@ -6,10 +6,9 @@ this process (the same code the exporter process runs, on the same journeys as
 
 * ``decode``: msgspec frames to :class:`FinishedJourney` (``sinks.read_frames``);
 * ``plan``: ``spans.plan_spans`` and ``spans.root_context``;
-* ``emit``: ``spans.emit_spans`` into the exporter's real provider (SDK span
-  objects, attribute checks, the BatchSpanProcessor's queue), export discarded;
+* ``build``: ``span_builder.SpanBuilder`` (the SDK's ReadableSpans, directly);
 * ``otlp_encode``: the SDK's OTLP encoder (``encode_spans``, what the OTLP
-  exporters call) on the spans of the batch, in batches of OTEL_BSP_MAX_EXPORT_BATCH_SIZE;
+  exporters call) on those spans, in batches of the export stage's size;
 * ``serialize``: protobuf bytes of those requests (gRPC does this on send);
 * ``receiver_parse``: what a Python receiver pays to decode them again.
 
@@ -21,56 +20,40 @@ The cyclic GC is tuned as in the exporter process.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
-from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from export_bench import RESOURCE, journeys
 
-from vllm_journey_otel.exporter_launch import EXPORTER_BSP_DEFAULTS
+from vllm_journey_otel.config import Batching
 from vllm_journey_otel.exporter_process import tune_gc
-from vllm_journey_otel.provider import make_tracer_provider
+from vllm_journey_otel.exporters import make_resource, span_limits
 from vllm_journey_otel.sinks import DECODER, PipeSink
-from vllm_journey_otel.spans import emit_spans, plan_spans, root_context
+from vllm_journey_otel.span_builder import SpanBuilder
+from vllm_journey_otel.spans import plan_spans, root_context
 
 FRAME_JOURNEYS = 100
-
-
-class Keep(SpanExporter):
-    def __init__(self, keep: bool) -> None:
-        self.keep = keep
-        self.spans: list[ReadableSpan] = []
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        if self.keep:
-            self.spans.extend(spans)
-        return SpanExportResult.SUCCESS
 
 
 def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 10_000
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 5
-    batch_size = int(EXPORTER_BSP_DEFAULTS["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"])
+    batch_size = Batching().max_batch
     frames = [
         PipeSink._frame(journeys(n)[i : i + FRAME_JOURNEYS], 0)[4:]
         for i in range(0, n, FRAME_JOURNEYS)
     ]
-    for key, value in EXPORTER_BSP_DEFAULTS.items():  # as the exporter process has them
-        os.environ.setdefault(key, value)
     tune_gc()  # as the exporter process does
-    keep = Keep(keep=True)
-    make_tracer_provider(RESOURCE, exporters=[keep], batch=False)
+    builder = SpanBuilder(make_resource(RESOURCE), span_limits())
     times: dict[str, list[float]] = {}
 
     def timed(stage: str, fn: Callable[[], Any]) -> Any:
@@ -87,17 +70,8 @@ def main() -> None:
             "plan",
             lambda: [(plan_spans(j, 0, 0), root_context(j)) for j in decoded],  # noqa: B023
         )
-        provider = make_tracer_provider(RESOURCE, exporters=[Keep(keep=False)])
-        tracer = provider.get_tracer("bench")
-        timed("emit", lambda: [emit_spans(p, tracer, *ctx) for p, ctx in plans])  # noqa: B023
-        provider.shutdown()
-        # The same spans as ReadableSpans, built outside the timing.
-        keep.spans.clear()
-        simple = make_tracer_provider(RESOURCE, exporters=[keep], batch=False)
-        simple_tracer = simple.get_tracer("bench")
-        for p, ctx in plans:
-            emit_spans(p, simple_tracer, *ctx)
-        spans = list(keep.spans)
+        built = timed("build", lambda: [builder.build(p, *ctx) for p, ctx in plans])  # noqa: B023
+        spans = [s for group in built for s in group]
         requests = timed(
             "otlp_encode",
             lambda: [
@@ -112,7 +86,7 @@ def main() -> None:
         )
         spans_per_journey = len(spans) / n
         bytes_per_span = sum(map(len, data)) / len(spans)
-    exporter_stages = ("decode", "plan", "emit", "otlp_encode", "serialize")
+    exporter_stages = ("decode", "plan", "build", "otlp_encode", "serialize")
     medians = {k: statistics.median(v) for k, v in times.items()}
     total = sum(medians[k] for k in exporter_stages)
     print(

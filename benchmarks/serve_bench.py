@@ -51,13 +51,12 @@ def main() -> None:
     endpoint = f"http://127.0.0.1:{receiver.grpc_port}"
     tmp = Path(tempfile.mkdtemp(prefix="serve-bench-"))
     # The test fixture shortens the export delays; back to each mode's defaults:
-    # ours (config.py, exporter_launch.EXPORTER_BSP_DEFAULTS), and the SDK's for vLLM's tracer.
-    from vllm_journey_otel.config import Config
-    from vllm_journey_otel.exporter_launch import EXPORTER_BSP_DEFAULTS
+    # ours (config.py), and the SDK's for vLLM's tracer.
+    from vllm_journey_otel.config import Batching, Config
 
     ours = {
         "VLLM_JOURNEY_OTEL_EXPORT_INTERVAL_MS": str(Config().export_interval_ms),
-        "OTEL_BSP_SCHEDULE_DELAY": EXPORTER_BSP_DEFAULTS["OTEL_BSP_SCHEDULE_DELAY"],
+        "OTEL_BSP_SCHEDULE_DELAY": str(int(Batching().delay_ms)),
     }
     modes = {
         "off": ({"VLLM_JOURNEY_OTEL": "0"}, []),

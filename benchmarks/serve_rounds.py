@@ -267,13 +267,12 @@ def main() -> None:
     args.model = build(ROOT / ".cache" / "tiny-llama")
     receiver = Receiver()
     receiver.start_grpc()
-    from vllm_journey_otel.config import Config
-    from vllm_journey_otel.exporter_launch import EXPORTER_BSP_DEFAULTS
+    from vllm_journey_otel.config import Batching, Config
 
     on = {
         # The test fixture shortens the export delays; back to the product's defaults.
         "VLLM_JOURNEY_OTEL_EXPORT_INTERVAL_MS": str(Config().export_interval_ms),
-        "OTEL_BSP_SCHEDULE_DELAY": EXPORTER_BSP_DEFAULTS["OTEL_BSP_SCHEDULE_DELAY"],
+        "OTEL_BSP_SCHEDULE_DELAY": str(int(Batching().delay_ms)),
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{receiver.grpc_port}",
     }
     catalogue = {

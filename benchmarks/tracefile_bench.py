@@ -18,24 +18,22 @@ import tempfile
 import time
 from pathlib import Path
 
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
+from vllm_journey_otel.export_stage import ExportStage
+from vllm_journey_otel.exporters import make_resource, span_limits
 from vllm_journey_otel.file_exporter import OtlpJsonFileExporter
+from vllm_journey_otel.health import ExportHealth
 from vllm_journey_otel.journey import STATUS_ABORTED, STATUS_LENGTH, RequestJourney
-from vllm_journey_otel.spans import emit_spans, parent_context, plan_spans
+from vllm_journey_otel.span_builder import SpanBuilder
+from vllm_journey_otel.spans import plan_spans
 
 MS = 1_000_000
 
 
 def generate(path: Path, n: int) -> None:
     rng = random.Random(7)
-    provider = TracerProvider()
     exporter = OtlpJsonFileExporter(path, max_bytes=1 << 40)
-    provider.add_span_processor(
-        BatchSpanProcessor(exporter, max_queue_size=1 << 20, max_export_batch_size=2048)
-    )
-    tracer = provider.get_tracer("bench")
+    stage = ExportStage([exporter], ExportHealth(), max_batch=2048)
+    builder = SpanBuilder(make_resource({}), span_limits())
     offset = time.time_ns() - time.monotonic_ns()
     t = 0
     for i in range(n):
@@ -58,9 +56,8 @@ def generate(path: Path, n: int) -> None:
         status = STATUS_ABORTED if rng.random() < 0.02 else STATUS_LENGTH
         fj = j.finish(now, i, status, "length", out + 50, now)
         assert fj is not None
-        emit_spans(plan_spans(fj, offset), tracer, parent_context(None))
-    assert provider.force_flush(600_000), "the generator could not write every span"
-    provider.shutdown()
+        stage.add(builder.build(plan_spans(fj, offset), None))
+    assert stage.shutdown(600), "the generator could not write every span"
 
 
 def timed(code: str) -> tuple[float, int, str]:

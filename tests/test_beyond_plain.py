@@ -108,7 +108,7 @@ def test_preemption_cause_not_traced(tracing, monkeypatch) -> None:
     from vllm_journey_otel.sampling import HeadSampler
 
     # Drop exactly the request named "high" at admission (and keep no tail).
-    monkeypatch.setattr(hooks.HeadSampler, "sampled", lambda self, headers: headers is None)
+    monkeypatch.setattr(hooks.HeadSampler, "decide", lambda self, headers: (headers is None, None))
     assert isinstance(hooks._STATE.head, HeadSampler)
     e = harness.Engine(
         policy="priority", num_blocks=5, max_num_batched_tokens=64, max_model_len=512

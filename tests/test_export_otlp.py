@@ -13,7 +13,7 @@ from services import wait_until
 from vllm_journey_otel import __version__, hooks
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.config import MODE_PROCESS, MODE_THREAD, Config
-from vllm_journey_otel.provider import exporter_names
+from vllm_journey_otel.exporters import exporter_names
 
 pytestmark = requires_vllm
 harness = import_harness()
@@ -108,12 +108,43 @@ def test_generic_protocol_and_service_name(receiver, monkeypatch) -> None:  # ty
         hooks.uninstall()
 
 
-def test_exporter_selection_follows_sdk_names(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_exporter_selection_follows_sdk_names() -> None:
     assert exporter_names({}) == ["otlp_proto_grpc"]
     assert exporter_names({"OTEL_TRACES_EXPORTER": "none"}) == []
     assert exporter_names({"OTEL_TRACES_EXPORTER": "console"}) == ["console"]
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
-    assert exporter_names({}) == ["otlp_proto_http"]
+    http = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
+    assert exporter_names(http) == ["otlp_proto_http"]
+    assert exporter_names({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}) == ["otlp_proto_http"]
+    both = {"OTEL_TRACES_EXPORTER": "otlp, console,otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
+    assert exporter_names(both) == ["otlp_proto_grpc", "console"]
+    with pytest.raises(ValueError, match="Unsupported OTLP protocol 'thrift'"):
+        exporter_names({"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "thrift"})
+
+
+def test_exporters_come_from_the_sdks_entry_point_group(caplog, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Every name is what an installed package registers (the SDK's own classes
+    here); a name nobody registers is named in a warning, and nothing is exported."""
+    import logging
+
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+    from vllm_journey_otel.exporters import build_exporters
+    from vllm_journey_otel.file_exporter import OtlpJsonFileExporter
+    from vllm_journey_otel.sinks import SpanSink
+
+    got = build_exporters({"OTEL_TRACES_EXPORTER": "otlp,console"})
+    assert [type(e) for e in got] == [OTLPSpanExporter, ConsoleSpanExporter]
+    monkeypatch.setenv("VLLM_JOURNEY_OTEL_FILE", str(tmp_path / "j.jsonl"))
+    got = build_exporters({"OTEL_TRACES_EXPORTER": "otlp_json_file"})
+    assert [type(e) for e in got] == [OtlpJsonFileExporter]
+    with pytest.raises(ValueError, match="'zipkin_json'"):
+        build_exporters({"OTEL_TRACES_EXPORTER": "zipkin_json"})
+    caplog.set_level(logging.WARNING, logger="vllm.journey_otel")
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkin_json")
+    sink = SpanSink.from_env({})
+    assert sink.stage.exporters == []
+    assert "no installed package provides the span exporter 'zipkin_json'" in caplog.text
 
 
 def test_console_exporter() -> None:

@@ -151,7 +151,7 @@ def test_two_real_exporters_deliver_every_span(monkeypatch, capfd) -> None:  # t
 def test_resource_hash_is_kept_and_equal_to_the_sdks() -> None:
     from opentelemetry.sdk.resources import Resource
 
-    from vllm_journey_otel.provider import make_resource
+    from vllm_journey_otel.exporters import make_resource
 
     resource = make_resource({S.RES_MODEL: "m", S.RES_PID: 7})
     plain = Resource(resource.attributes, resource.schema_url)
@@ -254,13 +254,12 @@ def test_drop_warning_names_the_lever_of_each_sink(caplog: pytest.LogCaptureFixt
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from vllm_journey_otel.pipeline import JourneyPipeline
-    from vllm_journey_otel.provider import make_tracer_provider
     from vllm_journey_otel.sinks import SpanSink
 
     r, w = os.pipe()
     sinks = [
         PipeSink(w),
-        SpanSink(make_tracer_provider({}, exporters=[InMemorySpanExporter()], batch=False)),
+        SpanSink.from_env({}, exporters=[InMemorySpanExporter()], threaded=False),
     ]
     try:
         for sink, lever in zip(
@@ -325,9 +324,9 @@ def test_drain_thread_leaves_the_queue_to_a_stepping_engine(pipes) -> None:  # t
 
 
 def test_exporter_builds_no_faster_than_it_exports(monkeypatch, capfd) -> None:  # type: ignore[no-untyped-def]
-    """A backend slower than span building, with a small span queue: the exporter
-    process waits for room instead of letting the SDK drop single spans (which
-    left journeys with holes), so every span of every journey arrives."""
+    """A backend slower than span building, with a small export stage: the
+    exporter process waits for the backend instead of dropping single spans
+    (journeys with holes), so every span of every journey arrives."""
     receiver = Receiver()
     receiver.start_grpc()
     receiver.delay_s = 0.02  # every export answered 20 ms late: ~2,500 spans/s at most
@@ -355,7 +354,7 @@ def test_exporter_builds_no_faster_than_it_exports(monkeypatch, capfd) -> None: 
         assert len(receiver.spans()) == expected
         err = capfd.readouterr().err
         assert f"400 journeys received, {expected} spans built, {expected} exported" in err, err
-        assert "0 dropped from a full queue" in err and "export queue is full" not in err, err
+        assert "0 left unexported at exit" in err, err
     finally:
         receiver.stop()
 
@@ -467,11 +466,10 @@ def test_thread_mode_engine_thread_never_offers() -> None:
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from vllm_journey_otel.pipeline import JourneyPipeline
-    from vllm_journey_otel.provider import make_tracer_provider
     from vllm_journey_otel.sinks import SpanSink
 
     memory = InMemorySpanExporter()
-    sink = SpanSink(make_tracer_provider({}, exporters=[memory], batch=False))
+    sink = SpanSink.from_env({}, exporters=[memory], threaded=False)
     pipeline = JourneyPipeline(sink, start_thread=False)
     batch = journeys(3)
     for j in batch:
@@ -486,8 +484,8 @@ def test_thread_mode_engine_thread_never_offers() -> None:
 
 def test_sigterm_reads_every_frame_already_in_the_pipe(monkeypatch, capfd) -> None:  # type: ignore[no-untyped-def]
     """SIGTERM while the exporter is busy (a slow backend, frames waiting in the
-    pipe and its buffer): it stops waiting for room, builds every journey that
-    is already there, and exits; none is lost unread or uncounted."""
+    pipe and its buffer): it stops waiting for the backend, builds every journey
+    that is already there, and exits; none is lost unread or uncounted."""
     import signal
 
     receiver = Receiver()
@@ -538,3 +536,26 @@ def test_a_batch_after_an_unfinished_frame_waits_behind_it(pipes) -> None:  # ty
     sink.shutdown(1.0)
     reader.join(10)
     assert got == [f"req-{i}" for i in range(50)]
+
+
+def test_a_stop_request_reads_what_is_in_the_pipe_then_ends() -> None:
+    """The exporter's SIGTERM is a flag: the reader hands out every frame already
+    in the pipe (and in its buffer), once each, then ends without waiting for
+    more, although the writer is still there."""
+    from vllm_journey_otel.sinks import FrameReader
+
+    r, w = os.pipe()
+    stop = threading.Event()
+    try:
+        frames = [PipeSink._frame(journeys(3), 0) for _ in range(5)]
+        os.write(w, b"".join(frames) + frames[0][:7])  # and a partial frame
+        got: list[object] = []
+        with os.fdopen(os.dup(r), "rb") as f:
+            reader = FrameReader()
+            for frame in reader.frames(f, pace_s=0.05, stop=stop.is_set):
+                got.append(frame)
+                stop.set()  # SIGTERM after the first frame
+        assert len(got) == 5, "every whole frame in the pipe, none twice"
+    finally:
+        os.close(r)
+        os.close(w)

@@ -1,7 +1,7 @@
 """Reliability on a real Scheduler with the real exporter process: the backend
-fails, the export queue overflows, the engine goes on; every span is accounted
-for, the operator gets a few clear lines instead of one per retry or per drop,
-and the tracer's health reaches the spans that follow.
+fails, export falls behind, the engine goes on; every span is accounted for,
+the operator gets a few clear lines instead of one per retry, and the tracer's
+health reaches the spans that follow.
 
 Real objects: vLLM's Scheduler (fabricated model outputs, as vLLM's own scheduler
 tests do), our exporter process started as in production, the SDK's OTLP gRPC
@@ -29,7 +29,7 @@ pytestmark = requires_vllm
 
 SUMMARY = re.compile(
     r"(\d+) journeys received, (\d+) spans built, (\d+) exported, (\d+) failed to export, "
-    r"(\d+) dropped from a full queue, (\d+) journeys dropped in the engine core, "
+    r"(\d+) left unexported at exit, (\d+) journeys dropped in the engine core, "
     r"(\d+) malformed client inputs ignored"
 )
 
@@ -71,7 +71,7 @@ def _roots(receiver: Receiver, prefix: str) -> list[dict[str, object]]:
     ]
 
 
-def test_outage_and_overflow_are_counted_reported_once_and_recovered(
+def test_outage_is_counted_reported_once_and_recovered(
     monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], receiver: Receiver
 ) -> None:
     harness = import_harness()
@@ -79,7 +79,7 @@ def test_outage_and_overflow_are_counted_reported_once_and_recovered(
 
     proxy = FaultProxy(receiver.grpc_port)
     proxy.set_mode(BLACKHOLE)
-    # A small export queue and a short export timeout, so the test is quick; the
+    # A small export stage and a short export timeout, so the test is quick; the
     # behaviour is the same with the defaults, only later.
     _process_mode(
         monkeypatch,
@@ -92,7 +92,7 @@ def test_outage_and_overflow_are_counted_reported_once_and_recovered(
     exporter_pid = None
     try:
         # A burst while the backend black-holes every export: about 200 spans
-        # against a 40-span queue.
+        # against a stage of 40; the rest waits in the pipe.
         steps = _run_requests(harness, "burst", 40)
         assert steps > 0
         pipeline = hooks.pipeline()
@@ -100,7 +100,7 @@ def test_outage_and_overflow_are_counted_reported_once_and_recovered(
         exporter_pid = pipeline.sink.pid  # type: ignore[attr-defined]
         assert exporter_pid and psutil.pid_exists(exporter_pid)
         assert hooks.flush(5.0)
-        assert pipeline.dropped == 0, "the engine side never drops: the exporter took it all"
+        assert pipeline.dropped == 0, "the engine side never drops: the pipe took it all"
         time.sleep(2.5)  # let the exporter fail a few batches
 
         proxy.set_mode(FORWARD)
@@ -117,24 +117,23 @@ def test_outage_and_overflow_are_counted_reported_once_and_recovered(
     # One line per event for the operator, not one per retry or per dropped span.
     assert err.count("fails (") == 1, err
     assert err.count("works again") == 1, err
-    assert err.count("export queue is full") == 1, err
-    assert "Transient error" not in err and "Queue full, dropping" not in err, err
+    assert err.count("export is slower than the traffic") == 1, err
+    assert "Transient error" not in err, err
 
     m = SUMMARY.search(err)
     assert m, err
-    journeys, built, exported, failed, dropped, engine_dropped, _ = map(int, m.groups())
-    assert journeys == 45 and engine_dropped == 0
-    assert failed > 0 and dropped > 0, "the outage must have cost spans"
-    assert built == exported + failed + dropped, "every span accounted for"
+    journeys, built, exported, failed, left, engine_dropped, _ = map(int, m.groups())
+    assert journeys == 45 and engine_dropped == 0 and left == 0
+    assert failed > 0, "the outage must have cost spans: the batches tried during it"
+    assert exported > 0.5 * built, "what waited in the pipe was exported after it"
+    assert built == exported + failed, "every span accounted for"
     assert exported == len(receiver.spans())
-    print(f"outage: {built} built = {exported} exported + {failed} failed + {dropped} dropped")
+    print(f"outage: {built} built = {exported} exported + {failed} failed")
 
     # The journeys after the outage say what the tracer lost before them.
     after = _roots(receiver, "after")
     lost = {int(str(a[S.TRACER_LOST_SPANS])) for a in after}
-    # Live count: can be one over the exact figure (the SDK checks "queue full"
-    # and appends without a lock; its worker may pop in between).
-    assert min(lost) > 0 and max(lost) <= failed + dropped + 1
+    assert min(lost) > 0 and max(lost) <= failed
     assert {a[S.TRACER_DROPPED_JOURNEYS] for a in after} == {0}
 
 

@@ -7,8 +7,8 @@ stamps, so the expected epoch times are exact.
 from __future__ import annotations
 
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanLimits
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from vllm_journey_otel import schema as S
@@ -19,7 +19,8 @@ from vllm_journey_otel.journey import (
     FinishedJourney,
     RequestJourney,
 )
-from vllm_journey_otel.spans import emit_spans, parent_context, plan_spans
+from vllm_journey_otel.span_builder import SpanBuilder
+from vllm_journey_otel.spans import plan_spans, root_context
 
 MS = 1_000_000
 OFFSET = 1_700_000_000_000_000_000  # epoch ns at mono 0
@@ -200,11 +201,8 @@ def test_error_status_and_trace_parent() -> None:
     j.scheduled(20 * MS, 1, 0, 4, 4, 0)
     fj = j.finish(30 * MS, 1, STATUS_ERROR, "error", 0, None)
     assert fj is not None
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    emit_spans(plan_spans(fj, OFFSET), provider.get_tracer("t"), parent_context(fj.trace_headers))
-    spans = {s.name: s for s in exporter.get_finished_spans()}
+    builder = SpanBuilder(Resource({}), SpanLimits())
+    spans = {s.name: s for s in builder.build(plan_spans(fj, OFFSET), *root_context(fj))}
     root = spans[S.SPAN_REQUEST]
     assert root.status.status_code.name == "ERROR"
     assert root.attributes[S.FINISH_STATUS] == S.FINISH_ERROR
@@ -369,7 +367,6 @@ def test_step_records_and_journeys_share_the_pipe_and_link() -> None:
     a step's links resolve to the roots of the journeys it names."""
     from vllm_journey_otel.journey import StepRecord
     from vllm_journey_otel.sinks import DECODER, ENCODER, Frame, SpanSink
-    from vllm_journey_otel.spans import PresetIdGenerator
 
     j = _journey()
     j.scheduled(20 * MS, 1, 0, 100, 100, 0)
@@ -383,9 +380,7 @@ def test_step_records_and_journeys_share_the_pipe_and_link() -> None:
     assert back == [fj, step]
 
     exporter = InMemorySpanExporter()
-    provider = TracerProvider(id_generator=PresetIdGenerator())
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    assert SpanSink(provider).consume(back) == 0
+    assert SpanSink.from_env({}, exporters=[exporter], threaded=False).consume(back) == 0
     spans = {s.name: s for s in exporter.get_finished_spans()}
     root, step_span = spans[S.SPAN_REQUEST], spans[S.SPAN_STEP]
     assert step_span.parent is None
@@ -404,15 +399,14 @@ def test_ids_and_sampling_ignore_vllms_seeded_global_random() -> None:
     drawn from it would repeat after every restart and on every replica."""
     import random
 
+    from vllm_journey_otel import rng
     from vllm_journey_otel.sampling import HeadSampler
-    from vllm_journey_otel.spans import PresetIdGenerator
 
     def draw() -> tuple[object, ...]:
         random.seed(0)  # what vLLM does at start-up
         target = _journey().link_target()
-        gen = PresetIdGenerator()
         sampled = [HeadSampler(ratio=0.5).sampled(None) for _ in range(64)]
-        return target.ids, gen.generate_trace_id(), gen.generate_span_id(), tuple(sampled)
+        return target.ids, rng.trace_id(), rng.span_id(), tuple(sampled)
 
     first, second = draw(), draw()
     for a, b in zip(first, second, strict=True):

@@ -221,3 +221,40 @@ def from_env(env: Mapping[str, str] | None = None) -> Config:
         ),
         exporter_cpus=_cpus(env, EXPORTER_CPUS, CPUS_AUTO),
     )
+
+
+# The export stage's batches (export_stage.py) read the SDK's batch-processor
+# variables: the stage replaces that processor, the variables keep their meaning.
+BSP_MAX_EXPORT_BATCH_SIZE = "OTEL_BSP_MAX_EXPORT_BATCH_SIZE"
+BSP_SCHEDULE_DELAY = "OTEL_BSP_SCHEDULE_DELAY"
+BSP_MAX_QUEUE_SIZE = "OTEL_BSP_MAX_QUEUE_SIZE"
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How the export stage batches spans."""
+
+    # Spans per export: ~0.9 MB of OTLP at ~430 bytes a span, well under the
+    # 4 MiB a gRPC server (the Collector's default) accepts; one export round
+    # trip of 50 ms still carries ~40,000 spans a second.
+    max_batch: int = 2048
+    # A batch that is not full leaves after this long.
+    delay_ms: float = 500.0
+    # Spans waiting beside the batch being exported (0: twice the batch); with
+    # that many, span building waits and the exporter stops reading its pipe.
+    max_pending: int = 0
+
+
+def batching_from_env(env: Mapping[str, str] | None = None) -> Batching:
+    """The SDK's OTEL_BSP_* variables as the export stage uses them. Never raises.
+
+    An empty value is unset (a compose file's ``VAR: ${VAR}`` with VAR unset).
+    A queue below the batch makes the batch the queue's size.
+    """
+    env = os.environ if env is None else env
+    d = Batching()
+    batch = int(_number(env, BSP_MAX_EXPORT_BATCH_SIZE, d.max_batch, 1, 1_000_000))
+    delay = _number(env, BSP_SCHEDULE_DELAY, d.delay_ms, 0, 3_600_000)
+    queue = int(_number(env, BSP_MAX_QUEUE_SIZE, 0, 0, 100_000_000))
+    pending = queue if queue > 0 else 2 * batch
+    return Batching(max_batch=min(batch, pending), delay_ms=delay, max_pending=pending)

@@ -8,8 +8,7 @@ drain thread's; its times are ``time.monotonic()`` seconds.
 The exporter is started through a short-lived launcher so that it is not a
 descendant of the engine core: vLLM's ``kill_process_tree`` kills descendants,
 and the exporter must outlive the engine core to export what the pipe still
-holds. It inherits the engine core's environment with our batch-processor
-defaults where the user set none (:func:`exporter_env`).
+holds. It inherits the engine core's environment.
 """
 
 from __future__ import annotations
@@ -20,50 +19,8 @@ import os
 import subprocess
 import sys
 from collections import deque
-from collections.abc import Mapping
 
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # Linux
-
-# The SDK's BatchSpanProcessor defaults (2,048-span queue, 512-span batches every
-# 5 s) drop spans above a few hundred journeys a second; the exporter process
-# starts with larger ones unless the user set OTEL_BSP_* themselves.
-# The queue is what an outage costs in memory: a queued SDK span holds about
-# 3-5 KB, so 32,768 spans bound it near 150-200 MB per exporter process
-# (measured: 262,144 spans held 850 MB while the backend black-holed every
-# export). Batches of 2,048 spans: ~0.9 MB of OTLP (~430 bytes a span), well
-# under the 4 MiB a gRPC server (the Collector's default) accepts, where 16,384
-# fail outright; ~3 % less CPU than 4,096 (benchmarks/export_bench.py), and one
-# export round trip of 50 ms still carries ~40,000 spans a second.
-EXPORTER_BSP_DEFAULTS = {
-    "OTEL_BSP_MAX_QUEUE_SIZE": "32768",
-    "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "2048",
-    "OTEL_BSP_SCHEDULE_DELAY": "500",
-}
-
-
-def exporter_env(env: Mapping[str, str]) -> dict[str, str]:
-    """The exporter process's environment: ``env`` with our batch processor
-    defaults where the user set none.
-
-    A user's queue without a batch size gets batches of half the queue at most:
-    the SDK refuses a batch larger than its queue (the exporter would not
-    start), and span building needs room beside a full batch (backpressure.py).
-    """
-    # An empty value (a compose file's ``VAR: ${VAR}`` with VAR unset) is unset.
-    child = {k: v for k, v in env.items() if not (k.startswith("OTEL_BSP_") and not v.strip())}
-    user_queue = child.get("OTEL_BSP_MAX_QUEUE_SIZE", "").strip()
-    user_batch = child.get("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "").strip()
-    for key, value in EXPORTER_BSP_DEFAULTS.items():
-        child.setdefault(key, value)
-    try:
-        queue = int(user_queue) if user_queue else 0
-    except ValueError:
-        queue = 0  # the SDK complains about it and uses its default
-    if queue > 0 and not user_batch:
-        ours = int(EXPORTER_BSP_DEFAULTS["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"])
-        child["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"] = str(max(1, min(ours, queue // 2)))
-    return child
-
 
 # Starts the exporter in a new session and writes its pid to the fd in argv[1].
 _LAUNCHER = (

@@ -1,14 +1,16 @@
 """The exporter process: finished journeys in on stdin, OTLP out.
 
 Started by :meth:`vllm_journey_otel.sinks.PipeSink.start` from the engine core,
-detached from its process tree. It reads msgpack-encoded frames (finished
-journeys, sampled steps, the engine side's drop count) from stdin, builds spans
-(clock conversion, span plan, SDK tracer) and exports them through a private
-TracerProvider configured by the inherited OTEL_* variables. On end-of-file
-(the engine core closed the pipe or died) or SIGTERM it flushes for at most
-VLLM_JOURNEY_OTEL_SHUTDOWN_TIMEOUT_S (at least 10 s), shuts the SDK down (the
-batch processor gives its worker up to 30 s more) and exits, logging what it
-delivered and lost.
+detached from its process tree. Its main thread reads msgpack-encoded frames
+(finished journeys, sampled steps, the engine side's drop count) from stdin and
+builds the SDK's ReadableSpans (clock conversion, span plan, ``span_builder``);
+the export stage (``export_stage.py``) batches them and exports them through
+the SDK's exporters chosen by the inherited OTEL_* variables, on a thread of its
+own. While export is behind, the main thread waits and does not read: the pipe
+is the queue. On end-of-file (the engine core closed the pipe or died) or
+SIGTERM it flushes for at most VLLM_JOURNEY_OTEL_SHUTDOWN_TIMEOUT_S (at least
+10 s), shuts the exporters down within the same deadline and exits, logging
+what it delivered and lost.
 
 Clock: CLOCK_MONOTONIC is system-wide, so this process's wall-mono-wall anchor
 converts the engine core's ``*_mono_ns`` stamps correctly (same host).
@@ -30,12 +32,10 @@ import signal
 import sys
 from typing import Any
 
-from .backpressure import SpanQueueRoom, bsp_sizes, spans_of
 from .config import from_env, logger
 from .cpu_yield import ExporterPlacement
-from .health import ExportHealth, SdkLogGate
-from .provider import make_tracer_provider
-from .sinks import READ_PACE_S, Frame, FrameReader, SpanSink
+from .health import ExportHealth, SdkLogQuieter
+from .sinks import READ_PACE_S, FrameReader, SpanSink
 
 # The exporter is not bound by vLLM's kill deadline; give the final export time.
 MIN_FINAL_FLUSH_S = 10.0
@@ -61,8 +61,8 @@ class _Term:
     """SIGTERM (a container or cgroup being stopped; vLLM itself ends us with
     end-of-file) is a flag, never an exception: an exception in the middle of a
     frame would lose the rest of it, or of the frames already read, uncounted.
-    The reader and the backpressure wait check it; what is already in the pipe
-    is still exported, without waiting for room."""
+    The reader and the export stage's wait for room check it; what is already
+    in the pipe is still exported, without waiting for room."""
 
     requested = False
 
@@ -73,22 +73,6 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 def _stopping() -> bool:
     return _Term.requested
-
-
-def consume(sink: SpanSink, frame: Frame, room: SpanQueueRoom) -> None:
-    """Build a frame's spans in chunks of at most ``room.budget`` spans, each
-    once the span queue has room for it (backpressure.py)."""
-    journeys = frame.journeys
-    start = need = 0
-    for i, record in enumerate(journeys):
-        n = spans_of(record)
-        if need and need + n > room.budget:
-            room.wait(need)
-            sink.consume(journeys[start:i], frame.engine_dropped)
-            start, need = i, 0
-        need += n
-    room.wait(need)
-    sink.consume(journeys[start:] if start else journeys, frame.engine_dropped)
 
 
 _CERTIFICATE_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", "OTEL_EXPORTER_OTLP_CERTIFICATE")
@@ -126,25 +110,13 @@ def main(argv: list[str]) -> int:
     placement.start_rechecks()
     _certificate_wins()
     health = ExportHealth()
-    gate = SdkLogGate(health)
-    gate.install()
-    sink = SpanSink(make_tracer_provider(attributes, health=health), health=health)
-    health.backpressure = True
-    queue, batch = bsp_sizes()
-    room = SpanQueueRoom(health, queue, batch, stopping=_stopping)
-    if queue < 2 * batch:
-        logger.warning(
-            "journey-otel exporter: OTEL_BSP_MAX_QUEUE_SIZE=%d leaves little room above "
-            "OTEL_BSP_MAX_EXPORT_BATCH_SIZE=%d: at full load spans can be dropped; keep "
-            "the queue at least twice the batch",
-            queue,
-            batch,
-        )
+    SdkLogQuieter(health).install()
+    sink = SpanSink.from_env(attributes, health=health, stop=_stopping)
     tune_gc()
     reader = FrameReader()
     try:
         for frame in reader.frames(sys.stdin.buffer, READ_PACE_S, stop=_stopping):
-            consume(sink, frame, room)
+            sink.consume(frame.journeys, frame.engine_dropped)
     except Exception:
         logger.warning("journey-otel exporter: bad input, stopping", exc_info=True)
     finally:
@@ -154,13 +126,12 @@ def main(argv: list[str]) -> int:
         # One line for the operator: what this run delivered and what it lost.
         level = logging.WARNING if lost else logging.INFO if health.journeys else logging.DEBUG
         logger.log(level, "journey-otel exporter: %s", health.summary())
-        if room.waited_s >= 1.0 or room.stalls:
-            # Export was the bottleneck: the engine side's queue took the excess.
+        if sink.stage.waited_s >= 1.0:
+            # Export was the bottleneck: the pipe and the engine side's queue took the excess.
             logger.info(
-                "journey-otel exporter: waited %.1f s in all for room in the span queue "
-                "(export slower than span building)%s",
-                room.waited_s,
-                f"; export stuck {room.stalls} time(s)" if room.stalls else "",
+                "journey-otel exporter: waited %.1f s in all for the backend "
+                "(export slower than span building)",
+                sink.stage.waited_s,
             )
     return 0
 

@@ -1,32 +1,30 @@
 """The tracer's own health where spans are exported: counters, and few clear logs.
 
 Process: the exporter process (``process`` mode) or the engine core (``thread``
-mode). Threads: :class:`HealthExporter.export` runs on the SDK's
-BatchSpanProcessor worker thread; :meth:`ExportHealth.spans_built` and the
-queue-full count (:class:`SdkLogGate`, called on the thread that ends spans) on
-the thread that builds spans. Each counter has one writer; readers may see a
-slightly stale value, which is fine for a health report.
+mode). Threads: :meth:`ExportHealth.exported` and :meth:`ExportHealth.failed`
+run on the export stage's thread (``export_stage.py``), with the counts of each
+``SpanExportResult``; :meth:`ExportHealth.backed_up` and the span counts on the
+thread that builds spans. Each counter has one writer; readers may see a
+slightly stale value, which is fine for a health report. Clock:
+``time.monotonic()``.
 
-Why a log gate: the SDK logs every retry of a failing export ("Transient
-error ...") and every span it drops from a full queue ("Queue full, dropping
-span."), so a backend outage during a burst writes thousands of lines into
-vLLM's log. The gate turns those records into counters (and remembers the last
-reason); :class:`HealthExporter` then says once that export fails, with that
-reason, every minute how much is lost while it lasts, and once that it works
-again. With our logger at DEBUG the SDK's own records pass through too.
-
-Counting relies on the SDK's log records, so it needs those loggers enabled at
-WARNING (the exporter process configures that itself).
+Every count comes from what the export stage saw (results, spans handed to it),
+never from log text. The SDK's exporters log every retry of a failing export
+("Transient error ... retrying"), which during an outage would write thousands
+of lines into vLLM's log: :class:`SdkLogQuieter` demotes those records to debug
+and keeps the last one's text as the *reason* our own single warning gives
+(the SDK offers no other way to learn why an export failed: its
+``SpanExportResult`` carries none; opentelemetry-sdk 1.45). The health then says
+once that export fails, with that reason, every minute how much is lost while it
+lasts, and once that it works again.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
-from collections.abc import Sequence
-
-from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from collections.abc import Mapping
 
 from .config import logger
 
@@ -42,8 +40,7 @@ SDK_LOGGERS = (
 # Demoted to debug, counted.
 INPUT_LOGGERS = ("opentelemetry.trace.span", "opentelemetry.attributes")
 _FAILURE_PREFIXES = ("Transient error", "Failed to export", "Dropping span batch")
-_QUEUE_FULL_PREFIX = "Queue full"
-# While export keeps failing (or the queue keeps overflowing), one report a minute.
+# While export keeps failing (or stays slower than the traffic), one report a minute.
 REPORT_PERIOD_S = 60.0
 
 
@@ -55,31 +52,22 @@ class ExportHealth:
         self.spans_built = 0
         self.spans_exported = 0
         self.spans_failed = 0
-        self.spans_dropped = 0  # the SDK's span queue was full
+        self.spans_left = 0  # still unexported when the final flush's deadline passed
         self.engine_dropped = 0  # latest count the engine core reported with a batch
         self.last_reason = ""
-        self.exporting = False  # a HealthExporter reports here (not OTEL_TRACES_EXPORTER=none)
+        self.exporting = False  # an export stage reports here (not OTEL_TRACES_EXPORTER=none)
         self.input_warnings = 0  # the SDK's complaints about client input, demoted
-        # Span building waits for room while export works (the exporter process,
-        # backpressure.py); False in thread mode, where a slow backend overflows.
-        self.backpressure = False
         self._period_s = report_period_s
         self._outage_since: float | None = None
         self._failed_at_outage = 0
         self._last_failure_report = 0.0
-        self._dropped_reported = 0
-        self._last_drop_report = 0.0
+        self._waited_s = 0.0  # the span builder waited for the stage, since the last report
+        self._last_wait_report = -report_period_s
 
     @property
     def lost_spans(self) -> int:
-        """Spans built here that did not reach the backend (failed or dropped)."""
-        return self.spans_failed + self.spans_dropped
-
-    @property
-    def backlog(self) -> int:
-        """Spans built and not yet exported, failed or dropped: in the batch
-        processor's queue or in the export under way (live, may be a span off)."""
-        return self.spans_built - self.spans_exported - self.spans_failed - self.spans_dropped
+        """Spans built here that did not reach the backend."""
+        return self.spans_failed + self.spans_left
 
     @property
     def in_outage(self) -> bool:
@@ -124,53 +112,42 @@ class ExportHealth:
             )
         self.spans_failed += n
 
-    # -- queue overflow (thread that ends spans) -----------------------------
-    def dropped(self) -> None:
-        self.spans_dropped += 1
+    # -- backpressure (thread that builds spans) -----------------------------
+    def backed_up(self, waited_s: float) -> None:
+        """The span builder waited ``waited_s`` for the export stage to take more."""
+        self._waited_s += waited_s
         now = time.monotonic()
-        first = self._dropped_reported == 0
-        if first or now - self._last_drop_report >= self._period_s:
-            if self.backpressure:  # the queue overflows only while export fails or is stuck
-                cause = (
-                    "while export fails or is stuck; a larger OTEL_BSP_MAX_QUEUE_SIZE "
-                    "rides out longer outages (~3-5 KB a span)"
-                )
-            else:
-                cause = (
-                    "the backend is slower than the traffic or down: raise "
-                    "OTEL_BSP_MAX_QUEUE_SIZE or lower the sampling ratio"
-                )
+        if self._waited_s >= 1.0 and now - self._last_wait_report >= self._period_s:
             logger.warning(
-                "journey-otel: the span export queue is full, spans are dropped (%d so far): %s",
-                self.spans_dropped,
-                cause,
+                "journey-otel exporter: export is slower than the traffic (waited %.1f s for "
+                "the backend since the last report); the excess waits in the pipe and the "
+                "engine core's queue, which drops whole journeys when full (counted)",
+                self._waited_s,
             )
-            self._dropped_reported = self.spans_dropped
-            self._last_drop_report = now
+            self._waited_s = 0.0
+            self._last_wait_report = now
 
     def settle(self) -> None:
-        """At exit, after the final flush: whatever was built and neither exported
-        nor failed was dropped (from a full queue, or left in it at the deadline).
-
-        Exact, unlike the live count from the SDK's log records, which can be off
-        by a span when the worker pops between the SDK's full check and its append.
-        """
+        """At exit, after the final flush: what was built and neither exported nor
+        failed was still waiting when the deadline passed."""
         if not self.exporting:
             return  # nothing was to be exported: nothing lost
-        self.spans_dropped = max(0, self.spans_built - self.spans_exported - self.spans_failed)
+        self.spans_left = max(0, self.spans_built - self.spans_exported - self.spans_failed)
 
     def summary(self) -> str:
         return (
             f"{self.journeys} journeys received, {self.spans_built} spans built, "
             f"{self.spans_exported} exported, {self.spans_failed} failed to export, "
-            f"{self.spans_dropped} dropped from a full queue, "
+            f"{self.spans_left} left unexported at exit, "
             f"{self.engine_dropped} journeys dropped in the engine core, "
             f"{self.input_warnings} malformed client inputs ignored"
         )
 
 
-class SdkLogGate(logging.Filter):
-    """Turns the SDK's per-retry and per-drop log records into :class:`ExportHealth` counts."""
+class SdkLogQuieter(logging.Filter):
+    """Demotes the SDK's per-retry export records to debug, keeping the last
+    one's text as the reason of our own warning; counts (and demotes) the SDK's
+    complaints about client input (a malformed ``tracestate``)."""
 
     def __init__(self, health: ExportHealth) -> None:
         super().__init__("vllm_journey_otel.health")
@@ -183,12 +160,9 @@ class SdkLogGate(logging.Filter):
             self.health.input_warnings += 1
             return logger.isEnabledFor(logging.DEBUG)
         message = record.getMessage()
-        if message.startswith(_QUEUE_FULL_PREFIX):
-            self.health.dropped()
-        elif message.startswith(_FAILURE_PREFIXES):
-            self.health.last_reason = message[:300]
-        else:
+        if not message.startswith(_FAILURE_PREFIXES):
             return True
+        self.health.last_reason = message[:300]
         return logger.isEnabledFor(logging.DEBUG)
 
     def install(self) -> None:
@@ -196,7 +170,7 @@ class SdkLogGate(logging.Filter):
             sdk_logger = logging.getLogger(name)
             if self not in sdk_logger.filters:
                 # First in line: the SDK's own DuplicateFilter passes one record of a
-                # kind per 20 s, and we must see (count) every one.
+                # kind per 20 s, and the reason must be the latest.
                 sdk_logger.filters.insert(0, self)
 
     def uninstall(self) -> None:
@@ -204,36 +178,19 @@ class SdkLogGate(logging.Filter):
             logging.getLogger(name).removeFilter(self)
 
 
-def endpoint_of(exporter: SpanExporter) -> str:
-    """What an SDK exporter sends to, for log messages."""
-    endpoint = getattr(exporter, "_endpoint", None)
-    return str(endpoint) if endpoint else type(exporter).__name__
+_ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 
 
-class HealthExporter(SpanExporter):
-    """Wraps an SDK exporter: counts exported and failed spans, never raises."""
-
-    def __init__(self, inner: SpanExporter, health: ExportHealth) -> None:
-        self.inner = inner
-        self.health = health
-        health.exporting = True
-        self.endpoint = endpoint_of(inner)
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        n = len(spans)
-        try:
-            result = self.inner.export(spans)
-        except Exception as exc:  # the SDK's exporters should not raise; others may
-            self.health.last_reason = f"{type(exc).__name__}: {exc}"[:300]
-            result = SpanExportResult.FAILURE
-        if result is SpanExportResult.SUCCESS:
-            self.health.exported(n, self.endpoint)
-        else:
-            self.health.failed(n, self.endpoint)
-        return result
-
-    def shutdown(self) -> None:
-        self.inner.shutdown()
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return self.inner.force_flush(timeout_millis)
+def endpoint_name(exporter_names: list[str], env: Mapping[str, str] | None = None) -> str:
+    """What the first exporter sends to, for log messages: the OTLP endpoint
+    variable when it is an OTLP exporter, else its name."""
+    env = os.environ if env is None else env
+    if not exporter_names:
+        return ""
+    first = exporter_names[0]
+    if first.startswith("otlp_proto"):
+        for name in _ENDPOINT_VARIABLES:
+            if env.get(name, "").strip():
+                return env[name].strip()
+        return "the default OTLP endpoint"
+    return first

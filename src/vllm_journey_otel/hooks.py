@@ -54,7 +54,7 @@ from . import __version__
 from . import schema as S
 from .compat import Support, check
 from .config import ALL_VARIABLES, EXPORT_MODE, MODE_PROCESS, Config, logger
-from .health import ExportHealth
+from .exporters import sdk_disabled
 from .journey import (
     PREEMPTED,
     RUNNING,
@@ -68,7 +68,6 @@ from .journey import (
     StepRecord,
 )
 from .pipeline import JourneyPipeline
-from .provider import make_tracer_provider, sdk_disabled
 from .rng import RNG
 from .sampling import HeadSampler, TailRule
 from .sinks import PipeSink, Sink, SpanSink
@@ -199,11 +198,9 @@ def _make_sink(attributes: dict[str, Any]) -> Sink:
                 EXPORT_MODE,
                 exc_info=True,
             )
-    # No SdkLogGate here: the SDK's loggers are shared with vLLM's own tracing in
-    # this process; export failures are still counted by the health wrapper.
-    health = ExportHealth()
-    provider = make_tracer_provider(attributes, _STATE.exporters, batch=_STATE.batch, health=health)
-    return SpanSink(provider, health=health)
+    # No SdkLogQuieter here: the SDK's loggers are shared with vLLM's own tracing
+    # in this process; export results are still counted by the export stage.
+    return SpanSink.from_env(attributes, _STATE.exporters, threaded=_STATE.batch)
 
 
 def _pipeline_for(scheduler: Any) -> JourneyPipeline:

@@ -36,19 +36,26 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import IO, Any, Protocol
 
 import msgspec
-from opentelemetry import context as otel_context
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter
 
 from . import schema as S
 from .clock import ClockAnchor
-from .config import EXPORT_MODE, EXPORTER_PROCESSES, QUEUE_SIZE, logger
+from .config import EXPORT_MODE, EXPORTER_PROCESSES, QUEUE_SIZE, batching_from_env, logger
 from .cpu_yield import placement_roots
-from .exporter_launch import Restarts, exporter_env, launch
-from .health import ExportHealth
+from .export_stage import ExportStage
+from .exporter_launch import Restarts, launch
+from .exporters import (
+    TRACES_EXPORTER,
+    build_exporters,
+    exporter_names,
+    make_resource,
+    span_limits,
+)
+from .health import ExportHealth, endpoint_name
 from .journey import Record, StepRecord
-from .spans import ROOT, PresetIdGenerator, emit_spans, plan_spans, plan_step, root_context
-
-NO_PARENT = otel_context.Context()
+from .span_builder import SpanBuilder
+from .spans import ROOT, plan_spans, plan_step, root_context
 
 FRAME_HEADER = struct.Struct("<I")
 # Frames larger than this are refused by the reader (a corrupt length).
@@ -107,21 +114,56 @@ class Sink(Protocol):
 
 
 class SpanSink:
-    """Build spans in this process and hand them to the provider's processors."""
+    """Build spans in this process and hand them to the export stage."""
 
     def __init__(
         self,
-        provider: TracerProvider,
+        builder: SpanBuilder,
+        stage: ExportStage,
         clock: ClockAnchor | None = None,
-        health: ExportHealth | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> None:
-        self.provider = provider
-        self._tracer = provider.get_tracer(S.SCOPE_NAME)
+        self.builder = builder
+        self.stage = stage
+        self.health = stage.health
         self._clock = clock or ClockAnchor()
-        self.health = health or ExportHealth()
+        self._stop = stop
         self.failed = 0
-        ids = getattr(provider, "id_generator", None)
-        self._ids = ids if isinstance(ids, PresetIdGenerator) else None
+
+    @classmethod
+    def from_env(
+        cls,
+        resource_attributes: Mapping[str, Any],
+        exporters: Sequence[SpanExporter] | None = None,
+        threaded: bool = True,
+        health: ExportHealth | None = None,
+        stop: Callable[[], bool] | None = None,
+    ) -> SpanSink:
+        """Exporters, resource, limits and batching from the OTEL_* variables
+        (``exporters`` given: those, for tests)."""
+        names: list[str] = []
+        if exporters is None:
+            try:
+                names = exporter_names()
+                exporters = build_exporters()
+            except Exception as exc:  # a bad OTEL_TRACES_EXPORTER must not stop vLLM
+                logger.warning("journey-otel: %s; journeys are recorded but not exported", exc)
+                exporters = []
+            else:
+                if not exporters:
+                    logger.info("%s=none: journeys are recorded but not exported.", TRACES_EXPORTER)
+        batching = batching_from_env()
+        stage = ExportStage(
+            exporters,
+            health or ExportHealth(),
+            max_batch=batching.max_batch,
+            delay_s=batching.delay_ms / 1000.0,
+            max_pending=batching.max_pending,
+            threaded=threaded,
+            endpoint=endpoint_name(names),
+        )
+        builder = SpanBuilder(make_resource(resource_attributes), span_limits())
+        return cls(builder, stage, stop=stop)
 
     def offer(self, batch: Sequence[Record], engine_dropped: int = 0) -> bool:
         return False  # building spans is not for the engine thread: always queue
@@ -140,29 +182,30 @@ class SpanSink:
         return False
 
     def maintain(self) -> None:
-        pass  # the SDK's processors keep themselves
+        pass  # nothing here goes away
 
     def consume(
         self, batch: Sequence[Record], engine_dropped: int = 0, deadline: float | None = None
     ) -> int:
-        # Building spans here takes CPU, never a wait: the deadline does not apply.
+        # Building spans takes CPU, not a wait; the stage may make us wait for
+        # the backend (backpressure), not bounded by ``deadline``.
         failed = 0
         health = self.health
         health.engine_dropped = max(health.engine_dropped, engine_dropped)
+        built: list[ReadableSpan] = []
         for journey in batch:
             try:
-                anchor = self._clock.anchor
+                offset_ns = self._clock.anchor.offset_ns
                 if isinstance(journey, StepRecord):
-                    emit_spans([plan_step(journey, anchor.offset_ns)], self._tracer, NO_PARENT)
-                    health.spans_built += 1
-                    continue
-                health.journeys += 1
-                plan = plan_spans(journey, anchor.offset_ns, anchor.uncertainty_ns)
-                root = plan[ROOT].attributes
-                root[S.TRACER_DROPPED_JOURNEYS] = health.engine_dropped
-                root[S.TRACER_LOST_SPANS] = health.lost_spans
-                emit_spans(plan, self._tracer, *root_context(journey), ids=self._ids)
-                health.spans_built += len(plan)
+                    built.append(self.builder.build_step(plan_step(journey, offset_ns)))
+                else:
+                    health.journeys += 1
+                    anchor = self._clock.anchor
+                    plan = plan_spans(journey, anchor.offset_ns, anchor.uncertainty_ns)
+                    root = plan[ROOT].attributes
+                    root[S.TRACER_DROPPED_JOURNEYS] = health.engine_dropped
+                    root[S.TRACER_LOST_SPANS] = health.lost_spans
+                    built.extend(self.builder.build(plan, *root_context(journey)))
             except Exception:
                 failed += 1
                 if self.failed + failed == 1:
@@ -171,32 +214,26 @@ class SpanSink:
                         "later failures are counted silently",
                         exc_info=True,
                     )
+            if len(built) >= ADD_SPANS:
+                health.spans_built += len(built)
+                self.stage.add(built, self._stop)
+                built = []
+        health.spans_built += len(built)
+        self.stage.add(built, self._stop)
         self.failed += failed
         return failed
 
     def flush(self, timeout_s: float) -> bool:
-        """Export what was built, giving up after ``timeout_s``.
-
-        The SDK's BatchSpanProcessor.force_flush (1.45) ignores its timeout and
-        exports until done, which takes minutes with a black-holed backend and a
-        full queue; so it runs in a thread that is waited for at most that long.
-        """
-        ms = int(max(0.0, timeout_s) * 1000)
-        if ms <= 0:
-            return False
-        done: list[bool] = []
-        worker = threading.Thread(
-            target=lambda: done.append(bool(self.provider.force_flush(ms))),
-            name="vllm-journey-otel-flush",
-            daemon=True,
-        )
-        worker.start()
-        worker.join(timeout_s)
-        return bool(done and done[0])
+        """Export what was built within ``timeout_s``."""
+        return self.stage.flush(timeout_s)
 
     def shutdown(self, timeout_s: float) -> None:
-        self.flush(timeout_s)
-        self.provider.shutdown()
+        self.stage.shutdown(timeout_s)
+
+
+# Spans handed to the export stage at a time: a large frame (a drain of the
+# whole queue) waits for room piecewise instead of holding all its spans.
+ADD_SPANS = 512
 
 
 # The drain thread's maintain() waits at most this long for the sink's lock.
@@ -280,7 +317,7 @@ class PipeSink:
             json.dumps(dict(resource_attributes)),
             ",".join(str(pid) for pid in placement_roots()),
         ]
-        child_env = exporter_env(os.environ if env is None else env)
+        child_env = dict(os.environ if env is None else env)
         fds: list[int] = []
         pids: list[int] = []
         try:

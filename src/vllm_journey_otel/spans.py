@@ -1,13 +1,12 @@
 """From a finished journey to spans.
 
-Two steps, both where spans are built (the exporter process, or the drain thread
-in thread mode; never the engine thread):
-
-1. :func:`plan_spans` (pure) turns a :class:`~vllm_journey_otel.journey.FinishedJourney`
-   and a clock offset into :class:`PlannedSpan` records with epoch times, the tree
-   shape and the attributes. All the tiling and clamping rules live here.
-2. :func:`emit_spans` hands the plan to an OpenTelemetry tracer with explicit
-   start and end times, under the client's trace context when there is one.
+Where spans are built (the exporter process's main thread, or the drain thread
+in thread mode; never the engine thread), :func:`plan_spans` (pure) turns a
+:class:`~vllm_journey_otel.journey.FinishedJourney` and a clock offset into
+:class:`PlannedSpan` records with epoch times, the tree shape and the
+attributes. All the tiling and clamping rules live here; ``span_builder.py``
+makes the SDK's spans of a plan, under the client's trace context
+(:func:`root_context`) when there is one.
 
 Clock rules: monotonic engine stamps (``*_mono_ns``) become epoch (``*_unix_ns``)
 by adding the anchor's offset; the request's wall-clock arrival is used as is.
@@ -18,17 +17,14 @@ outside its parent.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
-from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
-from . import rng
 from . import schema as S
 from .journey import (
     FinishedJourney,
@@ -368,87 +364,22 @@ def parent_context(trace_headers: dict[str, str] | None) -> otel_context.Context
     return _PROPAGATOR.extract(trace_headers, context=otel_context.Context())
 
 
-def root_context(j: FinishedJourney) -> tuple[otel_context.Context, list[trace.Link]]:
-    """Parent context and links of a journey's root.
+def client_context(trace_headers: dict[str, str] | None) -> SpanContext | None:
+    """The client's span context (remote), or None without a valid one."""
+    if not trace_headers:
+        return None
+    ctx = trace.get_current_span(parent_context(trace_headers)).get_span_context()
+    return ctx if ctx.is_valid else None
+
+
+def root_context(j: FinishedJourney) -> tuple[SpanContext | None, list[trace.Link]]:
+    """Parent span context and links of a journey's root.
 
     Head-sampled: a child of the client's span. Kept by the tail rule: the client's
     trace was not sampled (its spans are not exported), so a new root with a link
     to the client's span.
     """
-    parent = parent_context(j.trace_headers)
+    client = client_context(j.trace_headers)
     if j.head_sampled:
-        return parent, []
-    client = trace.get_current_span(parent).get_span_context()
-    links = [trace.Link(client)] if client.is_valid else []
-    return otel_context.Context(), links
-
-
-class PresetIdGenerator(RandomIdGenerator):
-    """Random ids (from rng.py, not the global ``random`` vLLM seeds), except for
-    the next root whose ids were chosen in advance.
-
-    The provider's id generator; :func:`emit_spans` presets it just before it
-    starts such a root, on the one thread that builds spans.
-    """
-
-    def __init__(self) -> None:
-        self._trace_id = 0
-        self._span_id = 0
-
-    def preset(self, ids: RootIds | None) -> None:
-        if ids is None:
-            self._trace_id = self._span_id = 0
-        else:
-            self._trace_id, self._span_id = trace_id_of(ids), ids.span_id
-
-    def generate_span_id(self) -> int:
-        if self._span_id:
-            value, self._span_id = self._span_id, 0
-            return value
-        return rng.span_id()
-
-    def generate_trace_id(self) -> int:
-        if self._trace_id:
-            value, self._trace_id = self._trace_id, 0
-            return value
-        return rng.trace_id()
-
-
-def emit_spans(
-    plan: Sequence[PlannedSpan],
-    tracer: trace.Tracer,
-    parent: otel_context.Context,
-    links: Sequence[trace.Link] = (),
-    ids: PresetIdGenerator | None = None,
-) -> None:
-    """Create and end every planned span with its explicit times.
-
-    ``ids``: the provider's id generator, to give a root its ids chosen in advance
-    (without it such a root gets random ids and links to it dangle).
-    """
-    spans: list[trace.Span] = []
-    for p in plan:
-        ctx = parent if p.parent is None else trace.set_span_in_context(spans[p.parent])
-        preset = ids is not None and p.ids is not None
-        if preset:
-            assert ids is not None
-            ids.preset(p.ids)
-        span = tracer.start_span(
-            p.name,
-            context=ctx,
-            kind=p.kind,
-            attributes=p.attributes,
-            links=[*links, *p.links] if p.parent is None else p.links,
-            start_time=p.start_unix_ns,
-            record_exception=False,
-            set_status_on_exception=False,
-        )
-        if preset:
-            assert ids is not None
-            ids.preset(None)
-        if p.error:
-            span.set_status(Status(StatusCode.ERROR, "request finished with an error"))
-        spans.append(span)
-    # End children before parents, as a live trace would.
-    for p, span in reversed(list(zip(plan, spans, strict=True))):
-        span.end(end_time=p.end_unix_ns)
+        return client, []
+    return None, [trace.Link(client)] if client is not None else []

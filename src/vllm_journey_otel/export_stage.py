@@ -1,0 +1,197 @@
+"""The export stage: spans in, batches out through the SDK's own exporters.
+
+Where: spans are added by the exporter process's main thread (or, in ``thread``
+mode, by the engine core's drain thread); batches are exported on the stage's
+own thread, "journey-otel-export". Times are ``time.monotonic()`` seconds.
+
+This replaces the SDK's BatchSpanProcessor, whose queue drops single spans when
+it is full (journeys with holes) and whose ``force_flush`` ignores its timeout:
+
+* **Backpressure, not holes.** At most ``max_pending`` spans wait (by default
+  two batches) besides the batch being exported. :meth:`add` blocks while that
+  is full, so the exporter process stops reading its pipe, the pipe fills, and
+  the engine core drops *whole journeys* (counted on the roots) once its own
+  bounded queue is full too: the pipe is the queue. A slow or failing backend
+  backs up the same way; nothing is dropped inside the stage.
+* **Batches** of at most ``max_batch`` spans leave when full or when their
+  oldest span waited ``delay_s``, or at a flush.
+* **Results** come from each ``SpanExporter.export``'s :class:`SpanExportResult`
+  (an exception counts as a failure), into :class:`~.health.ExportHealth`; the
+  first exporter's results are the health counts (others, from
+  ``OTEL_TRACES_EXPORTER=a,b``, are exported to and not counted).
+* **Deadlines**: :meth:`flush` and :meth:`shutdown` return at their deadline
+  whatever an exporter does; an export already under way finishes on the
+  stage's thread (the SDK's exporters bound it by their own timeout).
+
+``threaded=False`` exports each :meth:`add` at once on the caller's thread
+(tests with an in-memory exporter).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+from .config import logger
+from .health import ExportHealth
+
+
+class ExportStage:
+    """Batching and export of ReadableSpans (see the module docstring)."""
+
+    def __init__(
+        self,
+        exporters: Sequence[SpanExporter],
+        health: ExportHealth,
+        max_batch: int = 2048,
+        delay_s: float = 0.5,
+        max_pending: int | None = None,
+        threaded: bool = True,
+        endpoint: str = "",
+    ) -> None:
+        self.exporters = list(exporters)
+        self.health = health
+        health.exporting = bool(self.exporters)
+        self.max_batch = max(1, max_batch)
+        self.delay_s = max(0.0, delay_s)
+        self.max_pending = max(self.max_batch, max_pending or 2 * self.max_batch)
+        self.endpoint = endpoint or (type(self.exporters[0]).__name__ if self.exporters else "")
+        self._cond = threading.Condition()
+        self._pending: list[ReadableSpan] = []
+        self._oldest = 0.0  # when the first pending span was added
+        self._added = 0  # spans added, in all
+        self._done = 0  # spans exported or failed, in all
+        self._flush_to = 0  # export everything up to this count now
+        self._stopping = False
+        self.waited_s = 0.0  # add() waiting for room, in all: export is the bottleneck
+        self._thread: threading.Thread | None = None
+        if threaded and self.exporters:
+            self._thread = threading.Thread(
+                target=self._run, name="journey-otel-export", daemon=True
+            )
+            self._thread.start()
+
+    # -- the adding thread ----------------------------------------------------
+    def add(self, spans: Sequence[ReadableSpan], stop: Callable[[], bool] | None = None) -> None:
+        """Queue ``spans`` for export; blocks while the stage is full (backpressure).
+
+        ``stop`` set (the exporter's SIGTERM): no more waiting, the spans are
+        queued over the bound and exported with the final flush.
+        """
+        if not spans:
+            return
+        if not self.exporters:  # OTEL_TRACES_EXPORTER=none: recorded, not exported
+            return
+        if self._thread is None:
+            self._export(spans)
+            return
+        with self._cond:
+            if len(self._pending) + len(spans) > self.max_pending and self._pending:
+                began = time.monotonic()
+                while (
+                    self._pending
+                    and len(self._pending) + len(spans) > self.max_pending
+                    and not self._stopping
+                    and not (stop is not None and stop())
+                ):
+                    self._cond.wait(0.25)  # a SIGTERM is noticed within this
+                waited = time.monotonic() - began
+                self.waited_s += waited
+                self.health.backed_up(waited)
+            first = not self._pending
+            if first:
+                self._oldest = time.monotonic()
+            self._pending.extend(spans)
+            self._added += len(spans)
+            if first or len(self._pending) >= self.max_batch:
+                self._cond.notify_all()  # a batch's delay starts, or a batch is full
+
+    # -- the stage's thread ---------------------------------------------------
+    def _due(self, now: float) -> bool:
+        pending = self._pending
+        return bool(pending) and (
+            len(pending) >= self.max_batch
+            or now - self._oldest >= self.delay_s
+            or self._flush_to > self._done
+            or self._stopping
+        )
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._due(now := time.monotonic()):
+                    if self._stopping and not self._pending:
+                        return
+                    wait = self._oldest + self.delay_s - now if self._pending else None
+                    self._cond.wait(wait)
+                batch = self._pending[: self.max_batch]
+                del self._pending[: self.max_batch]
+                self._oldest = time.monotonic()
+                self._cond.notify_all()  # room for add()
+            self._export(batch)
+            with self._cond:
+                self._done += len(batch)
+                self._cond.notify_all()
+
+    def _export(self, batch: Sequence[ReadableSpan]) -> None:
+        for i, exporter in enumerate(self.exporters):
+            try:
+                result = exporter.export(batch)
+            except Exception as exc:  # the SDK's exporters do not raise; others may
+                self.health.last_reason = f"{type(exc).__name__}: {exc}"[:300]
+                result = SpanExportResult.FAILURE
+            if i == 0:
+                if result is SpanExportResult.SUCCESS:
+                    self.health.exported(len(batch), self.endpoint)
+                else:
+                    self.health.failed(len(batch), self.endpoint)
+
+    # -- any thread -------------------------------------------------------------
+    def flush(self, timeout_s: float) -> bool:
+        """Export everything added so far within ``timeout_s``; True when done."""
+        if self._thread is None:
+            return True
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        with self._cond:
+            target = self._added
+            self._flush_to = max(self._flush_to, target)
+            self._cond.notify_all()
+            while self._done < target:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    @property
+    def backlog(self) -> int:
+        """Spans added and not yet exported or failed."""
+        return self._added - self._done
+
+    def shutdown(self, timeout_s: float) -> bool:
+        """Flush within ``timeout_s``, stop the thread, shut the exporters down
+        (on a thread of their own, waited for until the deadline); True when
+        everything was exported or failed in time."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        done = self.flush(timeout_s)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(max(0.0, deadline - time.monotonic()))
+
+        def close() -> None:
+            for exporter in self.exporters:
+                try:
+                    exporter.shutdown()
+                except Exception:
+                    logger.debug("journey-otel: exporter shutdown failed", exc_info=True)
+
+        closer = threading.Thread(target=close, name="journey-otel-close", daemon=True)
+        closer.start()
+        closer.join(max(0.0, deadline - time.monotonic()))
+        return done

@@ -1,0 +1,138 @@
+"""Planned spans to the SDK's :class:`ReadableSpan`, directly: no Tracer, no span processor.
+
+Where: the exporter process's main thread, or the engine core's drain thread in
+``thread`` mode. Times are the plan's ``*_unix_ns`` (epoch ns); nothing here
+reads a clock.
+
+What a Tracer would do for these spans, and only that (``tests/test_span_builder.py``
+checks that the SDK's OTLP encoding of both is identical, span for span): ids
+from our own generator (``rng.py``) unless the root's were chosen in the engine;
+a root under the client's remote context keeps its trace id and ``tracestate``,
+children take the root's; every span sampled (the decision was the engine's);
+string attribute values cut at the attribute length limit, links beyond the link
+limit dropped and counted, as the SDK's span limits do. Our spans carry far
+fewer attributes than the SDK's 128 per span, so no attribute count is enforced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits
+from opentelemetry.sdk.util import BoundedList
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
+from opentelemetry.util.types import AttributeValue
+
+from . import rng
+from . import schema as S
+from .spans import PlannedSpan, trace_id_of
+
+SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+ERROR_STATUS = Status(StatusCode.ERROR, "request finished with an error")
+UNSET_STATUS = Status(StatusCode.UNSET)
+
+
+def _cut(value: AttributeValue, limit: int) -> AttributeValue:
+    if isinstance(value, str):
+        return value[:limit]
+    if isinstance(value, tuple) and value and isinstance(value[0], str):
+        return tuple(v[:limit] if isinstance(v, str) else v for v in value)
+    return value
+
+
+def bounded(attrs: Mapping[str, AttributeValue], limit: int | None) -> dict[str, AttributeValue]:
+    """``attrs`` with string values cut at ``limit`` characters (None: no limit),
+    as the SDK's BoundedAttributes cuts them; the same dict when nothing is long."""
+    if limit is None:
+        return dict(attrs)
+    for value in attrs.values():
+        if isinstance(value, str | tuple) and _longer(value, limit):
+            return {k: _cut(v, limit) for k, v in attrs.items()}
+    return attrs if isinstance(attrs, dict) else dict(attrs)
+
+
+def _longer(value: str | tuple[object, ...], limit: int) -> bool:
+    if isinstance(value, str):
+        return len(value) > limit
+    return any(isinstance(v, str) and len(v) > limit for v in value)
+
+
+class SpanBuilder:
+    """Builds the ReadableSpans of journey plans and step plans for one resource."""
+
+    def __init__(
+        self,
+        resource: Resource,
+        limits: SpanLimits,
+        span_id: Callable[[], int] = rng.span_id,
+        trace_id: Callable[[], int] = rng.trace_id,
+    ) -> None:
+        self.resource = resource
+        # What provider.get_tracer(S.SCOPE_NAME) would name the spans' scope.
+        self.scope = InstrumentationScope(S.SCOPE_NAME, None, None, None)
+        # As the SDK's Span applies them: span attributes, link attributes, links.
+        self.max_span_attribute_length = limits.max_span_attribute_length
+        self.max_attribute_length = limits.max_attribute_length
+        self.max_links = limits.max_links
+        self._span_id = span_id
+        self._trace_id = trace_id
+
+    def _links(self, links: Sequence[trace.Link]) -> Sequence[trace.Link]:
+        limit = self.max_attribute_length
+        out = [
+            trace.Link(link.context, bounded(link.attributes or {}, limit))
+            if link.attributes
+            else link
+            for link in links
+            if link.context.is_valid or link.attributes
+        ]
+        if self.max_links is not None and len(out) > self.max_links:
+            return BoundedList.from_seq(self.max_links, out)
+        return out
+
+    def build(
+        self,
+        plan: Sequence[PlannedSpan],
+        parent: SpanContext | None,
+        root_links: Sequence[trace.Link] = (),
+    ) -> list[ReadableSpan]:
+        """The spans of one plan (element 0 its root) under ``parent``, the
+        client's remote context (None: the root starts a trace of its own)."""
+        root = plan[0]
+        if parent is not None and parent.is_valid:
+            trace_id, trace_state = parent.trace_id, parent.trace_state
+        else:
+            parent = None
+            trace_id = trace_id_of(root.ids) if root.ids is not None else self._trace_id()
+            trace_state = None
+        contexts: list[SpanContext] = []
+        spans: list[ReadableSpan] = []
+        limit = self.max_span_attribute_length
+        for i, p in enumerate(plan):
+            span_id = root.ids.span_id if i == 0 and root.ids is not None else self._span_id()
+            context = SpanContext(trace_id, span_id, False, SAMPLED, trace_state)
+            contexts.append(context)
+            links = [*root_links, *p.links] if i == 0 else p.links
+            spans.append(
+                ReadableSpan(
+                    p.name,
+                    context=context,
+                    parent=parent if p.parent is None else contexts[p.parent],
+                    resource=self.resource,
+                    attributes=bounded(p.attributes, limit),
+                    links=self._links(links) if links else (),
+                    kind=p.kind,
+                    status=ERROR_STATUS if p.error else UNSET_STATUS,
+                    start_time=p.start_unix_ns,
+                    end_time=p.end_unix_ns,
+                    instrumentation_scope=self.scope,
+                )
+            )
+        return spans
+
+    def build_step(self, planned: PlannedSpan) -> ReadableSpan:
+        """A vllm.step span: the root of a trace of its own."""
+        return self.build([planned], None)[0]

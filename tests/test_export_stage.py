@@ -1,0 +1,189 @@
+"""The export stage (export_stage.py): batches, backpressure instead of drops,
+deadlines, counts from the exporters' results. The SDK's own OTLP gRPC exporter
+against a real receiver, made slow, down or black-holed by a real TCP proxy."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+import pytest
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+from fault_proxy import BLACKHOLE, DOWN, FORWARD, FaultProxy
+from otlp_receiver import Receiver
+from records import journeys
+from services import wait_until
+from vllm_journey_otel import config as C
+from vllm_journey_otel.export_stage import ExportStage
+from vllm_journey_otel.health import ExportHealth
+from vllm_journey_otel.span_builder import SpanBuilder
+from vllm_journey_otel.spans import plan_spans, root_context
+
+
+def spans(n_journeys: int, start: int = 0) -> list[ReadableSpan]:
+    builder = SpanBuilder(Resource({"service.name": "stage"}), SpanLimits())
+    out: list[ReadableSpan] = []
+    for j in journeys(n_journeys, start):
+        out.extend(builder.build(plan_spans(j, 0), *root_context(j)))
+    return out
+
+
+class Batches(SpanExporter):
+    """Records the size of each batch it is given (the stage's output)."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+        self.at: list[float] = []
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.sizes.append(len(spans))
+        self.at.append(time.monotonic())
+        return SpanExportResult.SUCCESS
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    r = Receiver()
+    r.start_grpc()
+    yield r
+    r.stop()
+
+
+@pytest.fixture
+def proxy(receiver: Receiver) -> Iterator[FaultProxy]:
+    p = FaultProxy(receiver.grpc_port)
+    yield p
+    p.close()
+
+
+def otlp(port: int, monkeypatch: pytest.MonkeyPatch, timeout_s: int = 10) -> OTLPSpanExporter:
+    for key in list(os.environ):
+        if key.startswith("OTEL_"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", str(timeout_s))
+    return OTLPSpanExporter(endpoint=f"http://127.0.0.1:{port}", insecure=True)
+
+
+def test_batches_leave_full_or_after_their_delay() -> None:
+    out = Batches()
+    stage = ExportStage([out], ExportHealth(), max_batch=10, delay_s=0.3)
+    try:
+        t0 = time.monotonic()
+        stage.add(spans(5))  # 25 spans: two full batches now, the rest after the delay
+        wait_until(lambda: out.sizes == [10, 10, 5], 10, 0.01, "three batches")
+        assert out.at[1] - t0 < 0.3 <= out.at[2] - t0
+        assert stage.health.spans_exported == 25 and stage.backlog == 0
+    finally:
+        stage.shutdown(2)
+
+
+def test_a_slow_backend_makes_span_building_wait_and_nothing_is_dropped(
+    receiver: Receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    receiver.delay_s = 0.1  # each export answered 100 ms late
+    health = ExportHealth()
+    stage = ExportStage([otlp(receiver.grpc_port, monkeypatch)], health, 10, 0.05, 20)
+    try:
+        built = spans(40)  # 200 spans, ten times what the stage holds
+        for k in range(0, len(built), 10):
+            stage.add(built[k : k + 10])
+            assert stage.backlog <= 20 + 10  # pending beside the batch under way
+        assert stage.waited_s > 0.5, "building waited for the backend"
+        assert stage.flush(30)
+    finally:
+        stage.shutdown(5)
+    assert len(receiver.spans()) == 200
+    assert health.spans_exported == 200 and health.spans_failed == 0
+
+
+def test_flush_and_shutdown_keep_their_deadline_when_the_backend_hangs(
+    proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    proxy.set_mode(BLACKHOLE)
+    stage = ExportStage([otlp(proxy.port, monkeypatch, timeout_s=30)], ExportHealth(), 10, 0.0)
+    stage.add(spans(2))
+    t0 = time.monotonic()
+    assert not stage.flush(0.3)
+    assert not stage.shutdown(0.5)
+    assert time.monotonic() - t0 < 3.0, "each kept its deadline although export hangs"
+
+
+def test_results_are_counted_and_an_outage_reported_once(
+    proxy: FaultProxy, receiver: Receiver, monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:  # type: ignore[no-untyped-def]
+    caplog.set_level(logging.WARNING, logger="vllm.journey_otel")
+    proxy.set_mode(DOWN)
+    health = ExportHealth()
+    exporter = otlp(proxy.port, monkeypatch, timeout_s=1)
+    stage = ExportStage([exporter], health, 10, 0.0, endpoint="the proxy")
+    try:
+        stage.add(spans(4))  # 20 spans: two batches, each refused until the timeout
+        assert stage.flush(30)
+        assert (health.spans_failed, health.spans_exported) == (20, 0)
+        proxy.set_mode(FORWARD)
+        stage.add(spans(2, start=10))
+        assert stage.flush(30)
+        assert (health.spans_failed, health.spans_exported) == (20, 10)
+    finally:
+        stage.shutdown(5)
+    assert len(receiver.spans()) == 10
+    text = caplog.text
+    assert text.count("exporting spans to the proxy fails") == 1, text
+    assert text.count("export to the proxy works again") == 1, text
+    assert "20 spans were lost meanwhile" in text
+
+
+def test_an_exporter_that_raises_counts_as_failed() -> None:
+    class Broken(SpanExporter):
+        def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+            raise RuntimeError("disk on fire")
+
+    health = ExportHealth()
+    stage = ExportStage([Broken()], health, threaded=False)
+    stage.add(spans(1))
+    assert health.spans_failed == 5 and health.last_reason == "RuntimeError: disk on fire"
+
+
+def test_a_stop_request_ends_the_wait_for_the_backend(
+    proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    proxy.set_mode(BLACKHOLE)
+    stage = ExportStage([otlp(proxy.port, monkeypatch, timeout_s=30)], ExportHealth(), 5, 0.0, 5)
+    stop = threading.Event()
+    done = threading.Event()
+
+    def build() -> None:
+        for _ in range(5):  # far more than the stage holds while export hangs
+            stage.add(spans(2), stop.is_set)
+        done.set()
+
+    worker = threading.Thread(target=build, daemon=True)
+    worker.start()
+    wait_until(lambda: stage.waited_s > 0 or stage.backlog >= 10, 10, 0.01, "a full stage")
+    assert not done.wait(0.5), "building waits while the backend hangs"
+    stop.set()
+    assert done.wait(5), "the stop request ends the wait"
+    stage.shutdown(0.5)
+
+
+def test_batching_reads_the_sdks_batch_variables(caplog) -> None:  # type: ignore[no-untyped-def]
+    assert C.batching_from_env({}) == C.Batching(2048, 500.0, 4096)
+    assert C.batching_from_env({C.BSP_MAX_EXPORT_BATCH_SIZE: "100"}) == C.Batching(100, 500.0, 200)
+    # A queue below the batch: the batch is the queue.
+    small = C.batching_from_env({C.BSP_MAX_QUEUE_SIZE: "1000"})
+    assert (small.max_batch, small.max_pending) == (1000, 1000)
+    assert C.batching_from_env({C.BSP_SCHEDULE_DELAY: "50"}).delay_ms == 50.0
+    # Empty values are unset (a compose file's VAR: ${VAR}); bad ones warn.
+    assert C.batching_from_env({C.BSP_MAX_QUEUE_SIZE: " ", C.BSP_SCHEDULE_DELAY: ""}) == (
+        C.batching_from_env({})
+    )
+    caplog.set_level(logging.WARNING, logger="vllm.journey_otel")
+    assert C.batching_from_env({C.BSP_MAX_EXPORT_BATCH_SIZE: "²"}).max_batch == 2048
+    assert "OTEL_BSP_MAX_EXPORT_BATCH_SIZE='²' is not a number" in caplog.text
