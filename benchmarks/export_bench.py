@@ -51,10 +51,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from otlp_receiver import Receiver
 from vllm_journey_otel import __version__
 from vllm_journey_otel import schema as S
+from vllm_journey_otel.engine.pipe_sink import PipeSink
+from vllm_journey_otel.engine.pipeline import JourneyPipeline
+from vllm_journey_otel.export.spans import plan_spans
 from vllm_journey_otel.journey import STATUS_LENGTH, FinishedJourney, RequestJourney
-from vllm_journey_otel.pipeline import JourneyPipeline
-from vllm_journey_otel.sinks import PipeSink
-from vllm_journey_otel.spans import plan_spans
 
 MS = 1_000_000
 # What the plugin puts on the resource in vLLM (hooks._resource_attributes).

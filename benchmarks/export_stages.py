@@ -35,11 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from export_bench import RESOURCE, journeys
 
 from vllm_journey_otel.config import Batching
-from vllm_journey_otel.exporter_process import tune_gc
-from vllm_journey_otel.exporters import make_resource, span_limits
-from vllm_journey_otel.sinks import DECODER, PipeSink
-from vllm_journey_otel.span_builder import SpanBuilder
-from vllm_journey_otel.spans import plan_spans, root_context
+from vllm_journey_otel.engine.pipe_sink import PipeSink
+from vllm_journey_otel.export.exporter_process import tune_gc
+from vllm_journey_otel.export.exporters import make_resource, span_limits
+from vllm_journey_otel.export.span_builder import SpanBuilder
+from vllm_journey_otel.export.spans import plan_spans, root_context
+from vllm_journey_otel.wire import DECODER
 
 FRAME_JOURNEYS = 100
 

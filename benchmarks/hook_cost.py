@@ -28,8 +28,8 @@ os.environ.setdefault("OTEL_TRACES_EXPORTER", "none")
 
 import scheduler_bench as sb
 
-from vllm_journey_otel import hooks
 from vllm_journey_otel.config import Config
+from vllm_journey_otel.engine import hooks
 
 METHODS = (
     "before_add",

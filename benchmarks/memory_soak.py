@@ -38,8 +38,8 @@ else:
 
 import scheduler_bench as sb  # noqa: E402
 
-from vllm_journey_otel import hooks  # noqa: E402
 from vllm_journey_otel.config import Config  # noqa: E402
+from vllm_journey_otel.engine import hooks  # noqa: E402
 
 
 def rss_mib(pid: int | str = "self") -> float:

@@ -46,9 +46,9 @@ os.environ.setdefault("OTEL_TRACES_EXPORTER", "none")
 from vllm.v1.outputs import ModelRunnerOutput
 
 import harness
-from vllm_journey_otel import hooks
 from vllm_journey_otel.config import Config
-from vllm_journey_otel.sampling import HeadSampler, TailRule
+from vllm_journey_otel.engine import hooks
+from vllm_journey_otel.engine.sampling import HeadSampler, TailRule
 
 PROMPT = 64
 

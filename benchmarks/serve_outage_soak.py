@@ -88,7 +88,7 @@ def main() -> None:
         exporter = [
             p
             for p in psutil.process_iter(["cmdline", "environ"])
-            if "vllm_journey_otel.exporter_process" in (p.info.get("cmdline") or [])
+            if "vllm_journey_otel.export.exporter_process" in (p.info.get("cmdline") or [])
             and (p.info.get("environ") or {}).get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
             == f"http://127.0.0.1:{proxy.port}"
         ]

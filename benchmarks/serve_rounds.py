@@ -111,7 +111,7 @@ def roles(server_pid: int) -> dict[str, int]:
     for p, (pp, comm, cmd) in procs.items():
         if core is not None and pp == core and "exporter" not in cmd and "Worker" in comm + cmd:
             found["worker"] = p
-        if "vllm_journey_otel.exporter_process" in cmd:
+        if "vllm_journey_otel.export.exporter_process" in cmd:
             found["exporter"] = p
     return found
 

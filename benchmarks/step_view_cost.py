@@ -28,11 +28,11 @@ os.environ.setdefault("OTEL_TRACES_EXPORTER", "none")
 
 import scheduler_bench as sb
 
-from vllm_journey_otel import hooks
 from vllm_journey_otel.config import Config
-from vllm_journey_otel.hooks import TRACKER_ATTR
+from vllm_journey_otel.engine import hooks
+from vllm_journey_otel.engine.hooks import TRACKER_ATTR
 from vllm_journey_otel.journey import StepRecord
-from vllm_journey_otel.sinks import ENCODER
+from vllm_journey_otel.wire import ENCODER
 
 
 def measure(running: int) -> dict[str, object]:

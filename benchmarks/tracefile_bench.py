@@ -18,13 +18,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from vllm_journey_otel.export_stage import ExportStage
-from vllm_journey_otel.exporters import make_resource, span_limits
-from vllm_journey_otel.file_exporter import OtlpJsonFileExporter
-from vllm_journey_otel.health import ExportHealth
+from vllm_journey_otel.export.export_stage import ExportStage
+from vllm_journey_otel.export.exporters import make_resource, span_limits
+from vllm_journey_otel.export.file_exporter import OtlpJsonFileExporter
+from vllm_journey_otel.export.health import ExportHealth
+from vllm_journey_otel.export.span_builder import SpanBuilder
+from vllm_journey_otel.export.spans import plan_spans
 from vllm_journey_otel.journey import STATUS_ABORTED, STATUS_LENGTH, RequestJourney
-from vllm_journey_otel.span_builder import SpanBuilder
-from vllm_journey_otel.spans import plan_spans
 
 MS = 1_000_000
 
@@ -87,17 +87,17 @@ def main() -> None:
             f"generated {n} journeys in {time.perf_counter() - t0:.1f} s: "
             f"{path.stat().st_size / 2**20:.0f} MiB"
         )
-        baseline = timed("import vllm_journey_otel.cli")
+        baseline = timed("import vllm_journey_otel.tools.cli")
         summary = timed(
-            "from vllm_journey_otel.summary import SUMMARY_ATTRIBUTES, summarize\n"
-            "from vllm_journey_otel.tracefile import read_spans\n"
+            "from vllm_journey_otel.tools.summary import SUMMARY_ATTRIBUTES, summarize\n"
+            "from vllm_journey_otel.tools.tracefile import read_spans\n"
             f"spans = read_spans([{str(path)!r}], attributes_of=SUMMARY_ATTRIBUTES)\n"
             "d = summarize(spans).to_dict()\n"
             "print('J', d['journeys'], d['spans'])"
         )
         timeline = timed(
-            "from vllm_journey_otel.timeline import collect, render\n"
-            "from vllm_journey_otel.tracefile import read_spans\n"
+            "from vllm_journey_otel.tools.timeline import collect, render\n"
+            "from vllm_journey_otel.tools.tracefile import read_spans\n"
             f"rows, total = collect(lambda a: read_spans([{str(path)!r}], attributes_of=a))\n"
             "html = render(rows, total)\n"
             "print('J', total, len(html))"

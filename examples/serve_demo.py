@@ -27,8 +27,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from fixtures.tiny_model import build  # noqa: E402
 from services import VllmServer, wait_until  # noqa: E402
-from vllm_journey_otel.summary import format_text, summarize  # noqa: E402
-from vllm_journey_otel.tracefile import read_spans  # noqa: E402
+from vllm_journey_otel.tools.summary import format_text, summarize  # noqa: E402
+from vllm_journey_otel.tools.tracefile import read_spans  # noqa: E402
 
 BURST = 32
 TOKENS = 256

@@ -47,7 +47,7 @@ class Tracing:
         self.exporter = exporter
 
     def spans(self):  # type: ignore[no-untyped-def]
-        from vllm_journey_otel import hooks
+        from vllm_journey_otel.engine import hooks
 
         assert hooks.flush(10.0)
         return self.exporter.get_finished_spans()
@@ -60,8 +60,8 @@ class Tracing:
 
 @pytest.fixture
 def tracing() -> Iterator[Tracing]:
-    from vllm_journey_otel import hooks
     from vllm_journey_otel.config import Config
+    from vllm_journey_otel.engine import hooks
 
     exporter = InMemorySpanExporter()
     assert hooks.install(Config(enabled=True), exporters=[exporter], batch=False)

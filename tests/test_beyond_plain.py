@@ -104,8 +104,8 @@ def test_priority_cause_in_the_clients_trace(tracing) -> None:
 
 def test_preemption_cause_not_traced(tracing, monkeypatch) -> None:
     """A cause that head sampling dropped: its id is recorded, no link to nowhere."""
-    from vllm_journey_otel import hooks
-    from vllm_journey_otel.sampling import HeadSampler
+    from vllm_journey_otel.engine import hooks
+    from vllm_journey_otel.engine.sampling import HeadSampler
 
     # Drop exactly the request named "high" at admission (and keep no tail).
     monkeypatch.setattr(hooks.HeadSampler, "decide", lambda self, headers: (headers is None, None))
@@ -321,8 +321,8 @@ def test_lora_name_on_cycles_and_wait_for_adapter_slot(tracing, async_scheduling
 @pytest.fixture
 def step_tracing(tracing):  # type: ignore[no-untyped-def]
     """The plugin with the step view on (VLLM_JOURNEY_OTEL_STEPS=1)."""
-    from vllm_journey_otel import hooks
     from vllm_journey_otel.config import Config
+    from vllm_journey_otel.engine import hooks
 
     hooks.uninstall()
     assert hooks.install(
@@ -391,7 +391,7 @@ def test_step_view_links_each_batch(step_tracing, async_scheduling: bool) -> Non
     numbers = [s.attributes[S.SCHEDULER_STEP] for s in steps]
     assert len(set(numbers)) == len(numbers) and numbers[0] == 1
     assert_no_state_left(e)
-    from vllm_journey_otel.hooks import TRACKER_ATTR
+    from vllm_journey_otel.engine.hooks import TRACKER_ATTR
 
     assert e.scheduler.__dict__[TRACKER_ATTR].steps_open == {}
 
@@ -412,7 +412,7 @@ def test_step_view_splits_prefill_and_decode(step_tracing, async_scheduling: boo
 
 
 def test_step_view_off_by_default(tracing) -> None:
-    from vllm_journey_otel.hooks import TRACKER_ATTR
+    from vllm_journey_otel.engine.hooks import TRACKER_ATTR
 
     e = harness.Engine()
     e.add("r", prompt_len=40, max_tokens=6)
@@ -424,8 +424,8 @@ def test_step_view_off_by_default(tracing) -> None:
 def test_step_view_sampled_by_ratio(tracing) -> None:
     import random
 
-    from vllm_journey_otel import hooks
     from vllm_journey_otel.config import Config
+    from vllm_journey_otel.engine import hooks
 
     hooks.uninstall()
     cfg = Config(enabled=True, steps=True, steps_ratio=0.25)
@@ -473,7 +473,7 @@ def test_wait_for_structured_output_grammar(tracing, async_scheduling: bool) -> 
     assert broken.attrs[S.FINISH_STATUS] == S.FINISH_ERROR
     assert [k.name for k in broken.children] == [S.SPAN_QUEUED]
     assert_no_state_left(e)
-    from vllm_journey_otel.hooks import TRACKER_ATTR
+    from vllm_journey_otel.engine.hooks import TRACKER_ATTR
 
     assert e.scheduler.__dict__[TRACKER_ATTR].blocked == {}
 
@@ -543,7 +543,7 @@ def test_wait_for_remote_kv(tracing, async_scheduling: bool, connector: str) -> 
     assert lw.attrs[S.KV_TRANSFER_TOKENS] == external
     assert lw.end == lq.end == lost.end
     assert_no_state_left(e)
-    from vllm_journey_otel.hooks import TRACKER_ATTR
+    from vllm_journey_otel.engine.hooks import TRACKER_ATTR
 
     assert e.scheduler.__dict__[TRACKER_ATTR].blocked == {}
 
@@ -554,9 +554,9 @@ def test_wait_for_remote_kv(tracing, async_scheduling: bool, connector: str) -> 
 def test_summary_waits_and_acceptance(tracing, tmp_path) -> None:
     from vllm.lora.request import LoRARequest
 
-    from vllm_journey_otel.file_exporter import OtlpJsonFileExporter
-    from vllm_journey_otel.summary import SUMMARY_ATTRIBUTES, format_text, summarize
-    from vllm_journey_otel.tracefile import read_spans
+    from vllm_journey_otel.export.file_exporter import OtlpJsonFileExporter
+    from vllm_journey_otel.tools.summary import SUMMARY_ATTRIBUTES, format_text, summarize
+    from vllm_journey_otel.tools.tracefile import read_spans
 
     e = _spec_engine(max_loras=1)
     e.add("a", prompt_len=20, max_tokens=12, lora=LoRARequest("sql", 1, "/x/sql"))
@@ -597,9 +597,9 @@ def test_summary_waits_and_acceptance(tracing, tmp_path) -> None:
 def test_summary_remote_kv_transfers(tracing, tmp_path) -> None:
     """vllm-journey summary: the transfer time of remote KV loads (vLLM's NIXL
     connector, scheduler side) and how many failed, as the spans say."""
-    from vllm_journey_otel.file_exporter import OtlpJsonFileExporter
-    from vllm_journey_otel.summary import SUMMARY_ATTRIBUTES, format_text, summarize
-    from vllm_journey_otel.tracefile import read_spans
+    from vllm_journey_otel.export.file_exporter import OtlpJsonFileExporter
+    from vllm_journey_otel.tools.summary import SUMMARY_ATTRIBUTES, format_text, summarize
+    from vllm_journey_otel.tools.tracefile import read_spans
 
     e = harness.Engine(remote_kv="nixl")
     for rid in ("a", "b", "c"):
@@ -627,9 +627,9 @@ def test_summary_remote_kv_transfers(tracing, tmp_path) -> None:
 
 
 def test_summary_without_waits_or_spec(tracing, tmp_path) -> None:
-    from vllm_journey_otel.file_exporter import OtlpJsonFileExporter
-    from vllm_journey_otel.summary import format_text, summarize
-    from vllm_journey_otel.tracefile import read_spans
+    from vllm_journey_otel.export.file_exporter import OtlpJsonFileExporter
+    from vllm_journey_otel.tools.summary import format_text, summarize
+    from vllm_journey_otel.tools.tracefile import read_spans
 
     e = harness.Engine()
     e.add("r", prompt_len=20, max_tokens=3)
@@ -780,8 +780,8 @@ def _everything(e):  # type: ignore[no-untyped-def]
 
 
 def _install(exporter, steps: bool = True) -> None:  # type: ignore[no-untyped-def]
-    from vllm_journey_otel import hooks
     from vllm_journey_otel.config import Config
+    from vllm_journey_otel.engine import hooks
 
     assert hooks.install(Config(enabled=True, steps=steps), exporters=[exporter], batch=False)
 
@@ -790,7 +790,7 @@ def test_everything_on_leaves_outputs_unchanged() -> None:
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     import trees
-    from vllm_journey_otel import hooks
+    from vllm_journey_otel.engine import hooks
 
     reference = _everything(_everything_engine())
     assert reference[2]["low"] >= 1, "precondition: a priority preemption"
@@ -830,7 +830,7 @@ def test_failing_new_hook_leaves_outputs_unchanged(method: str, monkeypatch, cap
 
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from vllm_journey_otel import hooks
+    from vllm_journey_otel.engine import hooks
 
     reference = _everything(_everything_engine())
     calls = {"n": 0}
@@ -858,7 +858,7 @@ def test_spec_decode_per_step_work_only_without_vllm_metrics(
 ) -> None:
     """With vLLM's per-request spec-decode metrics on, the plugin does nothing per
     step and reads vLLM's counts at transitions; both give the same attributes."""
-    from vllm_journey_otel import hooks
+    from vllm_journey_otel.engine import hooks
 
     calls = {"n": 0}
     orig = hooks.SchedulerTracker.spec_verified
@@ -881,9 +881,9 @@ def test_spec_decode_per_step_work_only_without_vllm_metrics(
 def test_timeline_draws_waits(tracing, tmp_path) -> None:
     from vllm.lora.request import LoRARequest
 
-    from vllm_journey_otel.file_exporter import OtlpJsonFileExporter
-    from vllm_journey_otel.timeline import collect, render
-    from vllm_journey_otel.tracefile import read_spans
+    from vllm_journey_otel.export.file_exporter import OtlpJsonFileExporter
+    from vllm_journey_otel.tools.timeline import collect, render
+    from vllm_journey_otel.tools.tracefile import read_spans
 
     e = harness.Engine(max_loras=1)
     e.add("a", prompt_len=20, max_tokens=6, lora=LoRARequest("sql", 1, "/x/sql"))

@@ -15,14 +15,9 @@ import pytest
 
 from services import wait_until
 from vllm_journey_otel import config as C
-from vllm_journey_otel.cpu_yield import (
-    bound_cpus,
-    choose_cpus,
-    format_cpus,
-    lower_priority,
-)
-from vllm_journey_otel.pipeline import JourneyPipeline
-from vllm_journey_otel.sinks import PipeSink
+from vllm_journey_otel.cpu_yield import bound_cpus, choose_cpus, format_cpus, lower_priority
+from vllm_journey_otel.engine.pipe_sink import PipeSink
+from vllm_journey_otel.engine.pipeline import JourneyPipeline
 
 ALLOWED = os.sched_getaffinity(0)
 needs_two_cpus = pytest.mark.skipif(

@@ -960,9 +960,9 @@ def test_gateway_policies_keep_the_journeys_they_promise() -> None:
     against the gateway's policies, with the threshold of the shipped file."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from vllm_journey_otel import hooks
     from vllm_journey_otel.config import MODE_THREAD, Config
-    from vllm_journey_otel.sampling import HeadSampler, TailRule
+    from vllm_journey_otel.engine import hooks
+    from vllm_journey_otel.engine.sampling import HeadSampler, TailRule
 
     harness = import_harness()
     exporter = InMemorySpanExporter()

@@ -65,7 +65,7 @@ def _exporter_pids(endpoint: str) -> list[int]:
     for p in psutil.process_iter(["cmdline", "environ"]):
         cmd = p.info.get("cmdline") or []
         env = p.info.get("environ") or {}
-        if "vllm_journey_otel.exporter_process" in cmd and (
+        if "vllm_journey_otel.export.exporter_process" in cmd and (
             env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") == endpoint
         ):
             pids.append(p.pid)

@@ -438,8 +438,8 @@ def test_with_vllm_tracing_and_truth_check(model_dir, receiver, tmp_path) -> Non
 # The embedded default: a trace file, summarised by the CLI
 # ---------------------------------------------------------------------------
 def test_trace_file_and_summary(model_dir, receiver, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from vllm_journey_otel.summary import summarize
-    from vllm_journey_otel.tracefile import read_spans
+    from vllm_journey_otel.tools.summary import summarize
+    from vllm_journey_otel.tools.tracefile import read_spans
 
     trace_file = tmp_path / "journeys.otlp.jsonl"
     server = start_server(

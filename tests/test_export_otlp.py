@@ -10,10 +10,11 @@ import pytest
 from conftest import import_harness, requires_vllm
 from otlp_receiver import Receiver, running_receiver
 from services import wait_until
-from vllm_journey_otel import __version__, hooks
+from vllm_journey_otel import __version__
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.config import MODE_PROCESS, MODE_THREAD, Config
-from vllm_journey_otel.exporters import exporter_names
+from vllm_journey_otel.engine import hooks
+from vllm_journey_otel.export.exporters import exporter_names
 
 pytestmark = requires_vllm
 harness = import_harness()
@@ -129,9 +130,9 @@ def test_exporters_come_from_the_sdks_entry_point_group(caplog, monkeypatch, tmp
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
-    from vllm_journey_otel.exporters import build_exporters
-    from vllm_journey_otel.file_exporter import OtlpJsonFileExporter
-    from vllm_journey_otel.sinks import SpanSink
+    from vllm_journey_otel.export.exporters import build_exporters
+    from vllm_journey_otel.export.file_exporter import OtlpJsonFileExporter
+    from vllm_journey_otel.export.span_sink import SpanSink
 
     got = build_exporters({"OTEL_TRACES_EXPORTER": "otlp,console"})
     assert [type(e) for e in got] == [OTLPSpanExporter, ConsoleSpanExporter]
@@ -155,7 +156,7 @@ def test_console_exporter() -> None:
 
     code = (
         f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-        "from vllm_journey_otel import hooks\n"
+        "from vllm_journey_otel.engine import hooks\n"
         "from vllm_journey_otel.config import MODE_PROCESS, MODE_THREAD, Config\n"
         "assert hooks.install(Config(enabled=True))\n"
         "import harness\n"

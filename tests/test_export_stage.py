@@ -21,10 +21,10 @@ from otlp_receiver import Receiver
 from records import journeys
 from services import wait_until
 from vllm_journey_otel import config as C
-from vllm_journey_otel.export_stage import ExportStage
-from vllm_journey_otel.health import ExportHealth
-from vllm_journey_otel.span_builder import SpanBuilder
-from vllm_journey_otel.spans import plan_spans, root_context
+from vllm_journey_otel.export.export_stage import ExportStage
+from vllm_journey_otel.export.health import ExportHealth
+from vllm_journey_otel.export.span_builder import SpanBuilder
+from vllm_journey_otel.export.spans import plan_spans, root_context
 
 
 def spans(n_journeys: int, start: int = 0) -> list[ReadableSpan]:

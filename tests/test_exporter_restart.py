@@ -15,7 +15,7 @@ from otlp_receiver import Receiver
 from records import journeys
 from services import wait_until
 from vllm_journey_otel import schema as S
-from vllm_journey_otel.exporter_launch import (
+from vllm_journey_otel.engine.exporter_launch import (
     FIRST_DELAY_S,
     MAX_DELAY_S,
     MAX_PER_WINDOW,
@@ -23,8 +23,8 @@ from vllm_journey_otel.exporter_launch import (
     WINDOW_S,
     Restarts,
 )
-from vllm_journey_otel.pipeline import JourneyPipeline
-from vllm_journey_otel.sinks import PipeSink
+from vllm_journey_otel.engine.pipe_sink import PipeSink
+from vllm_journey_otel.engine.pipeline import JourneyPipeline
 
 
 def test_backoff_doubles_in_a_row_and_the_window_caps_starts() -> None:

@@ -21,9 +21,10 @@ from otlp_receiver import Receiver
 from records import journeys
 from services import wait_until
 from vllm_journey_otel import schema as S
-from vllm_journey_otel.exporter_launch import F_SETPIPE_SZ
-from vllm_journey_otel.sinks import PipeSink, read_frames
-from vllm_journey_otel.spans import plan_spans
+from vllm_journey_otel.engine.exporter_launch import F_SETPIPE_SZ
+from vllm_journey_otel.engine.pipe_sink import PipeSink
+from vllm_journey_otel.export.spans import plan_spans
+from vllm_journey_otel.wire import read_frames
 
 
 def ids(frames: list) -> list[str]:  # type: ignore[type-arg]
@@ -151,7 +152,7 @@ def test_two_real_exporters_deliver_every_span(monkeypatch, capfd) -> None:  # t
 def test_resource_hash_is_kept_and_equal_to_the_sdks() -> None:
     from opentelemetry.sdk.resources import Resource
 
-    from vllm_journey_otel.exporters import make_resource
+    from vllm_journey_otel.export.exporters import make_resource
 
     resource = make_resource({S.RES_MODEL: "m", S.RES_PID: 7})
     plain = Resource(resource.attributes, resource.schema_url)
@@ -253,8 +254,8 @@ def test_drop_warning_names_the_lever_of_each_sink(caplog: pytest.LogCaptureFixt
 
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from vllm_journey_otel.pipeline import JourneyPipeline
-    from vllm_journey_otel.sinks import SpanSink
+    from vllm_journey_otel.engine.pipeline import JourneyPipeline
+    from vllm_journey_otel.export.span_sink import SpanSink
 
     r, w = os.pipe()
     sinks = [
@@ -288,7 +289,7 @@ def test_drain_thread_leaves_the_queue_to_a_stepping_engine(pipes) -> None:  # t
     and its offers go through, the queue is the engine's (a drain would take the
     GIL from it and split its frames); after a declined offer, with bytes
     pending, or when the engine stopped stepping, the drain thread takes over."""
-    from vllm_journey_otel.pipeline import PUBLISH_INTERVAL_NS, JourneyPipeline
+    from vllm_journey_otel.engine.pipeline import PUBLISH_INTERVAL_NS, JourneyPipeline
 
     r, w = pipes[0]
     fcntl.fcntl(w, F_SETPIPE_SZ, 4096)
@@ -362,7 +363,7 @@ def test_exporter_builds_no_faster_than_it_exports(monkeypatch, capfd) -> None: 
 def test_flush_keeps_its_deadline_when_the_exporter_does_not_read(pipes) -> None:  # type: ignore[no-untyped-def]
     """Scheduler.shutdown and atexit flush with a deadline: an exporter that reads
     slowly (waiting for a slow backend) or not at all must not hold them past it."""
-    from vllm_journey_otel.pipeline import JourneyPipeline
+    from vllm_journey_otel.engine.pipeline import JourneyPipeline
 
     r, w = pipes[0]
     fcntl.fcntl(w, F_SETPIPE_SZ, 4096)
@@ -392,7 +393,7 @@ def test_flush_keeps_its_deadline_while_the_drain_thread_writes(pipes) -> None: 
     """The drain thread blocked on a full pipe holds the sink for a bounded time
     (DRAIN_WRITE_S), so a flush with a deadline (Scheduler.shutdown, atexit)
     returns in time; shutdown does not close the pipe under a writer."""
-    from vllm_journey_otel.pipeline import DRAIN_WRITE_S, JourneyPipeline
+    from vllm_journey_otel.engine.pipeline import DRAIN_WRITE_S, JourneyPipeline
 
     r, w = pipes[0]
     fcntl.fcntl(w, F_SETPIPE_SZ, 4096)
@@ -418,7 +419,7 @@ def test_drain_thread_is_a_backstop_in_action_and_survives_errors(pipes) -> None
     """Once the engine stops stepping the drain thread (every 10 ms here) takes
     what is queued. An error in a drain is logged, its journeys counted as
     failed, and the thread goes on."""
-    from vllm_journey_otel.pipeline import JourneyPipeline
+    from vllm_journey_otel.engine.pipeline import JourneyPipeline
 
     r, w = pipes[0]
     sink = PipeSink(w)
@@ -465,8 +466,8 @@ def test_thread_mode_engine_thread_never_offers() -> None:
     putting it back every interval."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from vllm_journey_otel.pipeline import JourneyPipeline
-    from vllm_journey_otel.sinks import SpanSink
+    from vllm_journey_otel.engine.pipeline import JourneyPipeline
+    from vllm_journey_otel.export.span_sink import SpanSink
 
     memory = InMemorySpanExporter()
     sink = SpanSink.from_env({}, exporters=[memory], threaded=False)
@@ -542,7 +543,7 @@ def test_a_stop_request_reads_what_is_in_the_pipe_then_ends() -> None:
     """The exporter's SIGTERM is a flag: the reader hands out every frame already
     in the pipe (and in its buffer), once each, then ends without waiting for
     more, although the writer is still there."""
-    from vllm_journey_otel.sinks import FrameReader
+    from vllm_journey_otel.wire import FrameReader
 
     r, w = os.pipe()
     stop = threading.Event()

@@ -12,9 +12,9 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from conftest import import_harness, requires_vllm
-from vllm_journey_otel import hooks
-from vllm_journey_otel.compat import REQUIRED_METHODS, check
 from vllm_journey_otel.config import Config
+from vllm_journey_otel.engine import hooks
+from vllm_journey_otel.engine.compat import REQUIRED_METHODS, check
 
 pytestmark = requires_vllm
 harness = import_harness()

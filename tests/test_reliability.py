@@ -43,8 +43,8 @@ def receiver() -> Iterator[Receiver]:
 
 
 def _process_mode(monkeypatch: pytest.MonkeyPatch, endpoint_port: int, **env: str) -> None:
-    from vllm_journey_otel import hooks
     from vllm_journey_otel.config import Config
+    from vllm_journey_otel.engine import hooks
 
     for key, value in {
         "OTEL_TRACES_EXPORTER": "otlp",
@@ -75,7 +75,7 @@ def test_outage_is_counted_reported_once_and_recovered(
     monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], receiver: Receiver
 ) -> None:
     harness = import_harness()
-    from vllm_journey_otel import hooks
+    from vllm_journey_otel.engine import hooks
 
     proxy = FaultProxy(receiver.grpc_port)
     proxy.set_mode(BLACKHOLE)
@@ -185,7 +185,7 @@ def test_tls_and_auth_headers_through_the_standard_variables(  # type: ignore[no
 ) -> None:
     """OTEL_EXPORTER_OTLP_CERTIFICATE and _HEADERS reach the exporter process and work."""
     harness = import_harness()
-    from vllm_journey_otel import hooks
+    from vllm_journey_otel.engine import hooks
 
     cert, key = _self_signed(tmp_path)
     # Set in many images; requests lets it override the SDK's certificate.
@@ -234,10 +234,10 @@ def test_exporter_stalled_engine_side_drops_counted_and_carried(  # type: ignore
     import os
     import signal
 
+    from vllm_journey_otel.engine.pipe_sink import PipeSink
+    from vllm_journey_otel.engine.pipeline import JourneyPipeline
     from vllm_journey_otel.journey import STATUS_LENGTH, RequestJourney
-    from vllm_journey_otel.pipeline import JourneyPipeline
-    from vllm_journey_otel.sinks import PipeSink
-    from vllm_journey_otel.tracefile import read_spans
+    from vllm_journey_otel.tools.tracefile import read_spans
 
     out = tmp_path / "journeys.otlp.jsonl"
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp_json_file")

@@ -8,10 +8,10 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from conftest import import_harness, requires_vllm
-from vllm_journey_otel import hooks
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.config import MODE_THREAD, Config
-from vllm_journey_otel.sampling import HeadSampler, TailRule
+from vllm_journey_otel.engine import hooks
+from vllm_journey_otel.engine.sampling import HeadSampler, TailRule
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
 SPAN = "b7ad6b7169203331"

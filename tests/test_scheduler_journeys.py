@@ -26,7 +26,7 @@ SCHEDULERS = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sy
 
 
 def assert_no_state_left(engine) -> None:  # type: ignore[no-untyped-def]
-    from vllm_journey_otel.hooks import JOURNEY_ATTR, TRACKER_ATTR
+    from vllm_journey_otel.engine.hooks import JOURNEY_ATTR, TRACKER_ATTR
 
     tracker = engine.scheduler.__dict__[TRACKER_ATTR]
     assert tracker.awaiting == {}
@@ -452,8 +452,8 @@ def test_root_starts_at_arrival(tracing) -> None:
 
 def test_preemptions_without_the_private_hook(tracing, monkeypatch) -> None:
     """A vLLM without Scheduler._preempt_request: preemptions come from SchedulerOutput."""
-    from vllm_journey_otel import hooks
-    from vllm_journey_otel.compat import Support
+    from vllm_journey_otel.engine import hooks
+    from vllm_journey_otel.engine.compat import Support
 
     hooks.uninstall()
     monkeypatch.setattr(hooks, "check", lambda version, cls: Support(True, "test", False))

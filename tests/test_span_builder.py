@@ -27,7 +27,15 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import NonRecordingSpan, Status, StatusCode
 
 from vllm_journey_otel import schema as S
-from vllm_journey_otel.exporters import make_resource, span_limits
+from vllm_journey_otel.export.exporters import make_resource, span_limits
+from vllm_journey_otel.export.span_builder import SpanBuilder
+from vllm_journey_otel.export.spans import (
+    PlannedSpan,
+    plan_spans,
+    plan_step,
+    root_context,
+    trace_id_of,
+)
 from vllm_journey_otel.journey import (
     STATUS_ERROR,
     STATUS_LENGTH,
@@ -35,8 +43,6 @@ from vllm_journey_otel.journey import (
     RequestJourney,
     StepRecord,
 )
-from vllm_journey_otel.span_builder import SpanBuilder
-from vllm_journey_otel.spans import PlannedSpan, plan_spans, plan_step, root_context, trace_id_of
 
 MS = 1_000_000
 OFFSET = 1_700_000_000_000_000_000

@@ -12,6 +12,8 @@ from opentelemetry.sdk.trace import SpanLimits
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from vllm_journey_otel import schema as S
+from vllm_journey_otel.export.span_builder import SpanBuilder
+from vllm_journey_otel.export.spans import plan_spans, root_context
 from vllm_journey_otel.journey import (
     STATUS_ABORTED,
     STATUS_ERROR,
@@ -19,8 +21,6 @@ from vllm_journey_otel.journey import (
     FinishedJourney,
     RequestJourney,
 )
-from vllm_journey_otel.span_builder import SpanBuilder
-from vllm_journey_otel.spans import plan_spans, root_context
 
 MS = 1_000_000
 OFFSET = 1_700_000_000_000_000_000  # epoch ns at mono 0
@@ -257,8 +257,8 @@ def test_finish_carries_every_field_to_its_place() -> None:
 def test_trace_headers_are_bounded_and_malformed_ones_make_a_root() -> None:
     from opentelemetry import trace
 
+    from vllm_journey_otel.export.spans import parent_context
     from vllm_journey_otel.journey import TRACESTATE_MAX, bounded_trace_headers
-    from vllm_journey_otel.spans import parent_context
 
     good = "00-" + "a" * 32 + "-" + "b" * 16 + "-01"
     kept = bounded_trace_headers({"traceparent": good, "tracestate": "x=1", "cookie": "secret"})
@@ -365,8 +365,9 @@ def test_spec_decode_plan_per_decode_span() -> None:
 def test_step_records_and_journeys_share_the_pipe_and_link() -> None:
     """What the exporter process receives: journeys and step records in one frame;
     a step's links resolve to the roots of the journeys it names."""
+    from vllm_journey_otel.export.span_sink import SpanSink
     from vllm_journey_otel.journey import StepRecord
-    from vllm_journey_otel.sinks import DECODER, ENCODER, Frame, SpanSink
+    from vllm_journey_otel.wire import DECODER, ENCODER, Frame
 
     j = _journey()
     j.scheduled(20 * MS, 1, 0, 100, 100, 0)
@@ -400,7 +401,7 @@ def test_ids_and_sampling_ignore_vllms_seeded_global_random() -> None:
     import random
 
     from vllm_journey_otel import rng
-    from vllm_journey_otel.sampling import HeadSampler
+    from vllm_journey_otel.engine.sampling import HeadSampler
 
     def draw() -> tuple[object, ...]:
         random.seed(0)  # what vLLM does at start-up

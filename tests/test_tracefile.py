@@ -15,15 +15,15 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from conftest import REQUIRE_VLLM, import_harness, requires_vllm
-from vllm_journey_otel import hooks
 from vllm_journey_otel import schema as S
-from vllm_journey_otel.cli import CHROMIUM_FLAGS
-from vllm_journey_otel.cli import main as cli_main
 from vllm_journey_otel.config import MODE_THREAD, Config
-from vllm_journey_otel.file_exporter import OtlpJsonFileExporter
-from vllm_journey_otel.otlp_json import json_to_request, spans_to_json
-from vllm_journey_otel.summary import percentile, summarize
-from vllm_journey_otel.tracefile import read_spans
+from vllm_journey_otel.engine import hooks
+from vllm_journey_otel.export.file_exporter import OtlpJsonFileExporter
+from vllm_journey_otel.export.otlp_json import json_to_request, spans_to_json
+from vllm_journey_otel.tools.cli import CHROMIUM_FLAGS
+from vllm_journey_otel.tools.cli import main as cli_main
+from vllm_journey_otel.tools.summary import percentile, summarize
+from vllm_journey_otel.tools.tracefile import read_spans
 
 pytestmark = requires_vllm
 harness = import_harness()

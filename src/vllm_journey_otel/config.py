@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .switch import ENABLE, FALSE_WORDS, TRUE_WORDS
+from vllm_journey_otel.switch import ENABLE, FALSE_WORDS, TRUE_WORDS
 
 # A child of vLLM's logger, so our lines appear with vLLM's format and level.
 logger = logging.getLogger("vllm.journey_otel")

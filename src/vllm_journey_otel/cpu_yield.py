@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 
-from .config import (
+from vllm_journey_otel.config import (
     CPU_PRIORITY,
     CPUS_ALL,
     CPUS_AUTO,

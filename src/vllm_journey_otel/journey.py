@@ -36,7 +36,7 @@ from typing import Final
 
 import msgspec
 
-from .rng import RNG
+from vllm_journey_otel.rng import RNG
 
 # Journey states (small ints: compared on the engine thread).
 QUEUED: Final = 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from .switch import ENABLE, FALSE_WORDS
+from vllm_journey_otel.switch import ENABLE, FALSE_WORDS
 
 
 def register() -> None:
@@ -18,12 +18,12 @@ def register() -> None:
     try:
         if os.environ.get(ENABLE, "").strip().lower() in FALSE_WORDS:
             return
-        from . import config
+        from vllm_journey_otel import config
 
         cfg = config.from_env()
         if not cfg.enabled:
             return
-        from . import hooks
+        from vllm_journey_otel.engine import hooks
 
         hooks.install(cfg)
     except Exception:  # pragma: no cover - defensive: vLLM must never see our errors

@@ -26,7 +26,7 @@ import os
 import time
 from collections.abc import Mapping
 
-from .config import logger
+from vllm_journey_otel.config import logger
 
 # Loggers of the SDK's OTLP exporters and of its batch processor (SDK 1.3x-1.4x).
 SDK_LOGGERS = (
@@ -150,7 +150,7 @@ class SdkLogQuieter(logging.Filter):
     complaints about client input (a malformed ``tracestate``)."""
 
     def __init__(self, health: ExportHealth) -> None:
-        super().__init__("vllm_journey_otel.health")
+        super().__init__("vllm_journey_otel.export.health")
         self.health = health
 
     def filter(self, record: logging.LogRecord) -> bool:

@@ -5,7 +5,7 @@ on one shared time axis. Hover a segment for its attributes; zoom with the
 slider or the mouse wheel; filter to preempted, aborted or slow requests, or by
 request id. No network fetches: data, CSS and JS are inline.
 
-Pure: builds a string from :class:`~vllm_journey_otel.tracefile.FileSpan` records.
+Pure: builds a string from :class:`~vllm_journey_otel.tools.tracefile.FileSpan` records.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import schema as S
-from .tracefile import FileSpan
+from vllm_journey_otel import schema as S
+from vllm_journey_otel.tools.tracefile import FileSpan
 
 _PHASES = {
     S.SPAN_QUEUED: "queued",

@@ -26,9 +26,9 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
 from opentelemetry.util.types import AttributeValue
 
-from . import rng
-from . import schema as S
-from .spans import PlannedSpan, trace_id_of
+from vllm_journey_otel import rng
+from vllm_journey_otel import schema as S
+from vllm_journey_otel.export.spans import PlannedSpan, trace_id_of
 
 SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 ERROR_STATUS = Status(StatusCode.ERROR, "request finished with an error")

@@ -23,11 +23,52 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
+from typing import Protocol
 
-from .config import Config, logger
-from .cpu_yield import lower_priority
-from .journey import Record
-from .sinks import Sink
+from vllm_journey_otel.config import Config, logger
+from vllm_journey_otel.cpu_yield import lower_priority
+from vllm_journey_otel.journey import Record
+
+
+class Sink(Protocol):
+    """Receives batches of finished journeys from the pipeline.
+
+    ``engine_dropped`` is the pipeline's count of journeys dropped so far; it
+    ends up on the roots as the tracer-health attribute.
+    """
+
+    def offer(self, batch: Sequence[Record], engine_dropped: int = 0) -> bool:
+        """Engine thread: take the batch now if that cannot block; False = queue it."""
+
+    @property
+    def pending(self) -> bool:
+        """Whether bytes taken by ``offer`` still wait for the drain thread."""
+
+    @property
+    def takes_offers(self) -> bool:
+        """Whether :meth:`offer` can ever take a batch (False: always queue)."""
+
+    def consume(
+        self, batch: Sequence[Record], engine_dropped: int = 0, deadline: float | None = None
+    ) -> int:
+        """Handle a batch; returns how many journeys failed. ``deadline``
+        (``time.monotonic()``): stop waiting for the receiving end then; what is
+        not taken stays pending (None: wait as long as it takes)."""
+
+    def maintain(self) -> None:
+        """Drain thread, every wake-up: notice and replace what went away."""
+
+    def flush(self, timeout_s: float) -> bool:
+        """Push everything out within ``timeout_s``; True when done."""
+
+    def shutdown(self, timeout_s: float) -> None:
+        """Flush and release resources."""
+
+    @property
+    def drop_advice(self) -> str:
+        """What to change when the engine's queue overflows because this sink is behind."""
+
 
 _DROP_LOG_PERIOD_S = 60.0
 # The drain thread writes for at most this long per wake-up (the rest of a frame

@@ -2,7 +2,7 @@
 time in each waiting reason, speculative-decoding acceptance.
 
 Streaming: keeps one small record per journey (not its spans), so 100,000
-journeys fit in tens of MB. Pure: works on :class:`~vllm_journey_otel.tracefile.FileSpan`.
+journeys fit in tens of MB. Pure: works on :class:`~vllm_journey_otel.tools.tracefile.FileSpan`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from . import schema as S
-from .tracefile import FileSpan
+from vllm_journey_otel import schema as S
+from vllm_journey_otel.tools.tracefile import FileSpan
 
 PHASES = (
     ("queued", S.QUEUED_MS),

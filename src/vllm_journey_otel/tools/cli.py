@@ -17,10 +17,10 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from .replay import PROTOCOLS, replay
-from .summary import SUMMARY_ATTRIBUTES, format_text, summarize
-from .timeline import collect, render
-from .tracefile import FileSpan, TraceFileError, read_spans
+from vllm_journey_otel.tools.replay import PROTOCOLS, replay
+from vllm_journey_otel.tools.summary import SUMMARY_ATTRIBUTES, format_text, summarize
+from vllm_journey_otel.tools.timeline import collect, render
+from vllm_journey_otel.tools.tracefile import FileSpan, TraceFileError, read_spans
 
 # Headless Chromium with no network chatter (the machine may have no network).
 CHROMIUM_FLAGS = (

@@ -25,8 +25,8 @@ from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
-from . import schema as S
-from .journey import (
+from vllm_journey_otel import schema as S
+from vllm_journey_otel.journey import (
     FinishedJourney,
     FirstToken,
     KvLoaded,

@@ -1,6 +1,6 @@
 """The exporter process: finished journeys in on stdin, OTLP out.
 
-Started by :meth:`vllm_journey_otel.sinks.PipeSink.start` from the engine core,
+Started by :meth:`vllm_journey_otel.engine.pipe_sink.PipeSink.start` from the engine core,
 detached from its process tree. Its main thread reads msgpack-encoded frames
 (finished journeys, sampled steps, the engine side's drop count) from stdin and
 builds the SDK's ReadableSpans (clock conversion, span plan, ``span_builder``);
@@ -18,7 +18,7 @@ converts the engine core's ``*_mono_ns`` stamps correctly (same host).
 It runs at the lowest CPU priority and off the CPUs vLLM binds its threads to
 (cpu_yield.py), applied before it starts any thread.
 
-    python -m vllm_journey_otel.exporter_process '<resource attributes as JSON>' \
+    python -m vllm_journey_otel.export.exporter_process '<resource attributes as JSON>' \
         [<pids whose process trees hold vLLM's bound threads, comma-separated>]
 """
 
@@ -32,10 +32,11 @@ import signal
 import sys
 from typing import Any
 
-from .config import from_env, logger
-from .cpu_yield import ExporterPlacement
-from .health import ExportHealth, SdkLogQuieter
-from .sinks import READ_PACE_S, FrameReader, SpanSink
+from vllm_journey_otel.config import from_env, logger
+from vllm_journey_otel.cpu_yield import ExporterPlacement
+from vllm_journey_otel.export.health import ExportHealth, SdkLogQuieter
+from vllm_journey_otel.export.span_sink import SpanSink
+from vllm_journey_otel.wire import READ_PACE_S, FrameReader
 
 # The exporter is not bound by vLLM's kill deadline; give the final export time.
 MIN_FINAL_FLUSH_S = 10.0

@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
-from .otlp_json import json_to_request
+from vllm_journey_otel.export.otlp_json import json_to_request
 
 PROTOCOLS = ("grpc", "http/protobuf")
 

@@ -1,25 +1,15 @@
-"""Where batches of finished journeys go once they leave the engine thread.
+"""The engine side of the exporter pipe: encode batches of journeys, write them.
 
-* :class:`SpanSink` builds and exports spans in this process (clock conversion,
-  span plan, SDK tracer). Used inside the exporter process, and in the engine
-  core itself in ``thread`` mode.
-* :class:`PipeSink` encodes the batch with msgspec and writes it to the stdin of a
-  separate exporter process, or one of several
-  (``python -m vllm_journey_otel.exporter_process``),
-  which owns the SDK. This keeps span building and OTLP encoding off the engine
-  core's GIL, and the exporter outlives the engine core: vLLM's API server kills
-  the engine-core process tree at once on SIGTERM (``--shutdown-timeout 0``, the
-  default), so nothing left inside the engine core at that moment could be
-  flushed. The exporter is started through a short-lived launcher so it is not a
-  descendant of the engine core (vLLM's ``kill_process_tree`` kills descendants);
-  it exits on end-of-file after exporting everything it received.
+Engine-core process: :meth:`PipeSink.offer` on the engine thread (one encode,
+one non-blocking write), everything else on the pipeline's drain thread
+(``pipeline.py``). The exporter processes it writes to are started and replaced
+through ``exporter_launch.py``. Clock: ``time.monotonic()`` for deadlines and
+the replacements' backoff.
 
-Wire format (stdin of the exporter): frames of a 4-byte little-endian length and
-a msgpack-encoded :class:`Frame`: the records (finished journeys and
-sampled engine steps), and how many journeys the engine core has dropped so
-far, for the tracer-health attributes.
-
-Threading: ``consume`` is called by the pipeline's drain thread only.
+This keeps span building and OTLP encoding off the engine core's GIL, and the
+exporter outlives the engine core: vLLM's API server kills the engine-core
+process tree at once on SIGTERM (``--shutdown-timeout 0``, the default), so
+nothing left inside the engine core at that moment could be flushed.
 """
 
 from __future__ import annotations
@@ -28,213 +18,17 @@ import contextlib
 import json
 import os
 import select
-import struct
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import IO, Any, Protocol
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-import msgspec
-from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export import SpanExporter
-
-from . import schema as S
-from .clock import ClockAnchor
-from .config import EXPORT_MODE, EXPORTER_PROCESSES, QUEUE_SIZE, batching_from_env, logger
-from .cpu_yield import placement_roots
-from .export_stage import ExportStage
-from .exporter_launch import Restarts, launch
-from .exporters import (
-    TRACES_EXPORTER,
-    build_exporters,
-    exporter_names,
-    make_resource,
-    span_limits,
-)
-from .health import ExportHealth, endpoint_name
-from .journey import Record, StepRecord
-from .span_builder import SpanBuilder
-from .spans import ROOT, plan_spans, plan_step, root_context
-
-FRAME_HEADER = struct.Struct("<I")
-# Frames larger than this are refused by the reader (a corrupt length).
-MAX_FRAME_BYTES = 256 * 1024 * 1024
-
-
-class Frame(msgspec.Struct, array_like=True):
-    """One message on the exporter pipe."""
-
-    journeys: list[Record]  # finished journeys and sampled engine steps
-    # Journeys the engine core dropped so far (full queue, exporter gone).
-    engine_dropped: int = 0
-
-
-ENCODER = msgspec.msgpack.Encoder()
-DECODER = msgspec.msgpack.Decoder(Frame)
-
-
-class Sink(Protocol):
-    """Receives batches of finished journeys from the pipeline.
-
-    ``engine_dropped`` is the pipeline's count of journeys dropped so far; it
-    ends up on the roots as the tracer-health attribute.
-    """
-
-    def offer(self, batch: Sequence[Record], engine_dropped: int = 0) -> bool:
-        """Engine thread: take the batch now if that cannot block; False = queue it."""
-
-    @property
-    def pending(self) -> bool:
-        """Whether bytes taken by ``offer`` still wait for the drain thread."""
-
-    @property
-    def takes_offers(self) -> bool:
-        """Whether :meth:`offer` can ever take a batch (False: always queue)."""
-
-    def consume(
-        self, batch: Sequence[Record], engine_dropped: int = 0, deadline: float | None = None
-    ) -> int:
-        """Handle a batch; returns how many journeys failed. ``deadline``
-        (``time.monotonic()``): stop waiting for the receiving end then; what is
-        not taken stays pending (None: wait as long as it takes)."""
-
-    def maintain(self) -> None:
-        """Drain thread, every wake-up: notice and replace what went away."""
-
-    def flush(self, timeout_s: float) -> bool:
-        """Push everything out within ``timeout_s``; True when done."""
-
-    def shutdown(self, timeout_s: float) -> None:
-        """Flush and release resources."""
-
-    @property
-    def drop_advice(self) -> str:
-        """What to change when the engine's queue overflows because this sink is behind."""
-
-
-class SpanSink:
-    """Build spans in this process and hand them to the export stage."""
-
-    def __init__(
-        self,
-        builder: SpanBuilder,
-        stage: ExportStage,
-        clock: ClockAnchor | None = None,
-        stop: Callable[[], bool] | None = None,
-    ) -> None:
-        self.builder = builder
-        self.stage = stage
-        self.health = stage.health
-        self._clock = clock or ClockAnchor()
-        self._stop = stop
-        self.failed = 0
-
-    @classmethod
-    def from_env(
-        cls,
-        resource_attributes: Mapping[str, Any],
-        exporters: Sequence[SpanExporter] | None = None,
-        threaded: bool = True,
-        health: ExportHealth | None = None,
-        stop: Callable[[], bool] | None = None,
-    ) -> SpanSink:
-        """Exporters, resource, limits and batching from the OTEL_* variables
-        (``exporters`` given: those, for tests)."""
-        names: list[str] = []
-        if exporters is None:
-            try:
-                names = exporter_names()
-                exporters = build_exporters()
-            except Exception as exc:  # a bad OTEL_TRACES_EXPORTER must not stop vLLM
-                logger.warning("journey-otel: %s; journeys are recorded but not exported", exc)
-                exporters = []
-            else:
-                if not exporters:
-                    logger.info("%s=none: journeys are recorded but not exported.", TRACES_EXPORTER)
-        batching = batching_from_env()
-        stage = ExportStage(
-            exporters,
-            health or ExportHealth(),
-            max_batch=batching.max_batch,
-            delay_s=batching.delay_ms / 1000.0,
-            max_pending=batching.max_pending,
-            threaded=threaded,
-            endpoint=endpoint_name(names),
-        )
-        builder = SpanBuilder(make_resource(resource_attributes), span_limits())
-        return cls(builder, stage, stop=stop)
-
-    def offer(self, batch: Sequence[Record], engine_dropped: int = 0) -> bool:
-        return False  # building spans is not for the engine thread: always queue
-
-    takes_offers = False
-
-    @property
-    def drop_advice(self) -> str:
-        return (
-            f"building spans in this process cannot keep up: use {EXPORT_MODE}=process, "
-            f"lower the sampling ratio, or raise {QUEUE_SIZE} for bursts"
-        )
-
-    @property
-    def pending(self) -> bool:
-        return False
-
-    def maintain(self) -> None:
-        pass  # nothing here goes away
-
-    def consume(
-        self, batch: Sequence[Record], engine_dropped: int = 0, deadline: float | None = None
-    ) -> int:
-        # Building spans takes CPU, not a wait; the stage may make us wait for
-        # the backend (backpressure), not bounded by ``deadline``.
-        failed = 0
-        health = self.health
-        health.engine_dropped = max(health.engine_dropped, engine_dropped)
-        built: list[ReadableSpan] = []
-        for journey in batch:
-            try:
-                offset_ns = self._clock.anchor.offset_ns
-                if isinstance(journey, StepRecord):
-                    built.append(self.builder.build_step(plan_step(journey, offset_ns)))
-                else:
-                    health.journeys += 1
-                    anchor = self._clock.anchor
-                    plan = plan_spans(journey, anchor.offset_ns, anchor.uncertainty_ns)
-                    root = plan[ROOT].attributes
-                    root[S.TRACER_DROPPED_JOURNEYS] = health.engine_dropped
-                    root[S.TRACER_LOST_SPANS] = health.lost_spans
-                    built.extend(self.builder.build(plan, *root_context(journey)))
-            except Exception:
-                failed += 1
-                if self.failed + failed == 1:
-                    logger.warning(
-                        "journey-otel: could not build spans for a journey; "
-                        "later failures are counted silently",
-                        exc_info=True,
-                    )
-            if len(built) >= ADD_SPANS:
-                health.spans_built += len(built)
-                self.stage.add(built, self._stop)
-                built = []
-        health.spans_built += len(built)
-        self.stage.add(built, self._stop)
-        self.failed += failed
-        return failed
-
-    def flush(self, timeout_s: float) -> bool:
-        """Export what was built within ``timeout_s``."""
-        return self.stage.flush(timeout_s)
-
-    def shutdown(self, timeout_s: float) -> None:
-        self.stage.shutdown(timeout_s)
-
-
-# Spans handed to the export stage at a time: a large frame (a drain of the
-# whole queue) waits for room piecewise instead of holding all its spans.
-ADD_SPANS = 512
-
+from vllm_journey_otel.config import EXPORTER_PROCESSES, QUEUE_SIZE, logger
+from vllm_journey_otel.cpu_yield import placement_roots
+from vllm_journey_otel.engine.exporter_launch import Restarts, launch
+from vllm_journey_otel.journey import Record
+from vllm_journey_otel.wire import ENCODER, FRAME_HEADER, Frame
 
 # The drain thread's maintain() waits at most this long for the sink's lock.
 DRAIN_LOCK_S = 0.2
@@ -313,7 +107,7 @@ class PipeSink:
         argv = [
             python or sys.executable,
             "-m",
-            "vllm_journey_otel.exporter_process",
+            "vllm_journey_otel.export.exporter_process",
             json.dumps(dict(resource_attributes)),
             ",".join(str(pid) for pid in placement_roots()),
         ]
@@ -585,110 +379,3 @@ class PipeSink:
             self._fds = []
         finally:
             self._lock.release()
-
-
-# The exporter reads the pipe at most this often while journeys keep coming:
-# twice the engine's hand-off interval (pipeline.PUBLISH_INTERVAL_NS), so a
-# read mostly finds a frame waiting and the reader is rarely blocked in read()
-# when the engine thread writes.
-READ_PACE_S = 0.05
-_READ_CHUNK = 1 << 20
-
-
-# While a stop may be requested, the reader waits in select() this long at a
-# time, so a SIGTERM is noticed within it (a signal handler that does not raise
-# cannot interrupt a blocking read: PEP 475 retries it).
-_STOP_POLL_S = 0.25
-
-
-class FrameReader:
-    """Decodes :class:`Frame` s from a byte stream (exporter side, main thread).
-
-    The buffer belongs to the reader, not to one iteration: frames already read
-    but not yet handed out survive an interrupted iteration, and a frame is
-    taken off the buffer as it is handed out, so none is handed out twice.
-    """
-
-    def __init__(self) -> None:
-        self._buf = bytearray()
-        self._pos = 0
-
-    def frames(
-        self,
-        stream: IO[bytes],
-        pace_s: float = 0.0,
-        stop: Callable[[], bool] | None = None,
-    ) -> Iterator[Frame]:
-        """Yield frames until end-of-file.
-
-        ``pace_s`` > 0: after a read that left no partial frame and did not fill
-        the read buffer, the next read comes no sooner than ``pace_s`` after it
-        returned (handling its frames counts toward the pause). A writer whose
-        reader is blocked in ``read`` pays for waking it inside its ``write``
-        (~8-12 us instead of ~1 us here, more when the woken reader takes the
-        writer's core): paced, the exporter is asleep or busy when the engine
-        thread writes, and blocks (no CPU) only when nothing came during the
-        pause. Frames wait at most ``pace_s`` longer; a busy exporter (handling
-        takes longer, or a full read) and a frame still arriving never pause, so
-        capacity is unchanged. A partial frame at end-of-file is dropped.
-
-        ``stop`` (the exporter's SIGTERM flag): once it returns True, what is
-        already in the pipe is read without waiting and the iteration ends.
-        Given, the stream's descriptor is read directly (``os.read``).
-        A non-blocking stream with nothing to read ends the iteration too.
-        """
-        size_of = FRAME_HEADER.unpack_from
-        header = FRAME_HEADER.size
-        buf = self._buf
-        clock = time.monotonic
-        fd = stream.fileno() if stop is not None else -1
-        draining = False
-        last = -1  # bytes of the last read (-1: none yet)
-        read_at = 0.0
-        while True:
-            while len(buf) - self._pos >= header:
-                (size,) = size_of(buf, self._pos)
-                if size > MAX_FRAME_BYTES:
-                    raise ValueError(f"frame of {size} bytes exceeds the {MAX_FRAME_BYTES} limit")
-                end = self._pos + header + size
-                if len(buf) < end:
-                    break
-                payload = buf[self._pos + header : end]
-                self._pos = end
-                yield DECODER.decode(payload)
-            del buf[: self._pos]
-            self._pos = 0
-            if stop is not None and not draining and stop():
-                draining = True
-            if pace_s > 0 and not draining and 0 <= last < _READ_CHUNK and not buf:
-                rest = read_at + pace_s - clock()
-                if rest > 0:
-                    time.sleep(rest)
-            if stop is not None:
-                if not draining:
-                    while not select.select([fd], [], [], _STOP_POLL_S)[0]:
-                        if stop():
-                            draining = True
-                            break
-                if draining:
-                    os.set_blocking(fd, False)
-                try:
-                    chunk: bytes | None = os.read(fd, _READ_CHUNK)
-                except BlockingIOError:
-                    return
-            else:
-                try:
-                    chunk = stream.read1(_READ_CHUNK)  # type: ignore[attr-defined]
-                except BlockingIOError:
-                    return
-            if not chunk:  # end-of-file (None: non-blocking and empty)
-                return
-            read_at = clock()
-            last = len(chunk)
-            buf += chunk
-
-
-def read_frames(stream: IO[bytes], pace_s: float = 0.0) -> Iterator[Frame]:
-    """Yield decoded :class:`Frame` s from ``stream`` until end-of-file
-    (:meth:`FrameReader.frames` with a reader of its own)."""
-    return FrameReader().frames(stream, pace_s)

@@ -26,9 +26,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .config import TAIL, TAIL_SLOW_MS, logger
-from .journey import RootIds
-from .rng import RNG
+from vllm_journey_otel.config import TAIL, TAIL_SLOW_MS, logger
+from vllm_journey_otel.journey import RootIds
+from vllm_journey_otel.rng import RNG
 
 SAMPLER = "OTEL_TRACES_SAMPLER"
 SAMPLER_ARG = "OTEL_TRACES_SAMPLER_ARG"

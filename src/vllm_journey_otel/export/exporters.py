@@ -26,7 +26,7 @@ from opentelemetry.sdk.trace import SpanLimits
 from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.util.types import AttributeValue
 
-from . import schema as S
+from vllm_journey_otel import schema as S
 
 TRACES_EXPORTER = "OTEL_TRACES_EXPORTER"
 ENTRY_POINT_GROUP = "opentelemetry_traces_exporter"

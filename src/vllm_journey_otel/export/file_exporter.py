@@ -24,8 +24,8 @@ from pathlib import Path
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from .config import FILE_KEEP, FILE_MAX_MB, FILE_PATH, _number, logger
-from .otlp_json import spans_to_json
+from vllm_journey_otel.config import FILE_KEEP, FILE_MAX_MB, FILE_PATH, _number, logger
+from vllm_journey_otel.export.otlp_json import spans_to_json
 
 DEFAULT_PATH = "vllm-journeys.otlp.jsonl"
 

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from .otlp_json import value
+from vllm_journey_otel.export.otlp_json import value
 
 
 class TraceFileError(Exception):

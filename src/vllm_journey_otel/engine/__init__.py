@@ -1,0 +1,1 @@
+"""Engine side: runs inside vLLM's processes; the only code that imports vLLM."""

@@ -1,0 +1,152 @@
+"""API-server side: the client's trace context, and the engine cores' shutdown grace.
+
+API-server process, its asyncio event loop thread (``AsyncLLM.add_request``,
+``OutputProcessor``) and the thread that shuts vLLM down
+(``CoreEngineProcManager.shutdown``). Times: ``time.monotonic()`` for the grace's
+deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import time
+import weakref
+from collections.abc import Callable
+from contextvars import ContextVar
+from typing import Any
+
+from vllm_journey_otel.config import logger
+from vllm_journey_otel.engine.state import _STATE, _fail
+
+# The client's W3C headers of the add_request call in progress (per asyncio task).
+_TRACE_HEADERS: ContextVar[dict[str, str] | None] = ContextVar("vjo_trace_headers", default=None)
+
+
+def _wrap_async_add_request(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """AsyncLLM.add_request drops ``trace_headers`` unless --otlp-traces-endpoint is set.
+
+    We take them out of the call (so vLLM neither drops nor warns), keep them in a
+    context variable for the duration of the call, and OutputProcessor.add_request
+    puts them back on the EngineCoreRequest that goes to the engine core.
+    """
+    pos = list(inspect.signature(orig).parameters).index("trace_headers") - 1  # minus self
+
+    @functools.wraps(orig)
+    async def add_request(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _STATE.enabled:
+            return await orig(self, *args, **kwargs)
+        try:
+            in_kwargs = "trace_headers" in kwargs
+            headers: Any = kwargs["trace_headers"] if in_kwargs else None
+            if not in_kwargs and len(args) > pos:
+                headers = args[pos]
+            keep = bool(headers) and self.observability_config.otlp_traces_endpoint is None
+            if keep:
+                if in_kwargs:
+                    kwargs["trace_headers"] = None
+                else:
+                    args = (*args[:pos], None, *args[pos + 1 :])
+                token = _TRACE_HEADERS.set(dict(headers))
+        except Exception:
+            _fail("AsyncLLM.add_request")
+            return await orig(self, *args, **kwargs)
+        if not keep:
+            return await orig(self, *args, **kwargs)
+        try:
+            return await orig(self, *args, **kwargs)
+        finally:
+            _TRACE_HEADERS.reset(token)
+
+    return add_request
+
+
+# API-server side: this process's OutputProcessors, so that the shutdown grace
+# can tell whether any request is in flight (their ``request_states``).
+_OUTPUT_PROCESSORS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _wrap_output_init(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        orig(self, *args, **kwargs)
+        with contextlib.suppress(TypeError):  # not weak-referenceable: no grace check
+            _OUTPUT_PROCESSORS.add(self)
+
+    return __init__
+
+
+def _wrap_output_add_request(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        if self not in _OUTPUT_PROCESSORS:  # built before the plugin loaded
+            with contextlib.suppress(TypeError):
+                _OUTPUT_PROCESSORS.add(self)
+        headers = _TRACE_HEADERS.get()
+        if headers is not None and getattr(request, "trace_headers", None) is None:
+            try:
+                request.trace_headers = headers
+            except Exception:
+                _fail("OutputProcessor.add_request")
+        return orig(self, request, *args, **kwargs)
+
+    return add_request
+
+
+# vllm.v1.utils.shutdown waits this long when given no timeout (0.32, 0.33).
+_VLLM_DEFAULT_PROCESS_TIMEOUT_S = 5.0
+
+
+def _grace_for_engine_cores(manager: Any, timeout: float | None) -> None:
+    """SIGTERM the engine cores and wait up to the grace for them to exit.
+
+    Only when vLLM would kill them sooner (``timeout`` below the grace; None is
+    vLLM's 5 s): on SIGTERM an engine core aborts its requests (our hooks hand
+    those journeys to the exporter within milliseconds) and exits its busy loop;
+    vLLM's own shutdown then finds it gone, or kills what is left as before.
+
+    With the API server in this process, only when it has requests in flight:
+    an idle engine core that exits by itself while the API server's output task
+    still listens makes vLLM log a spurious EngineDeadError. Where the engine
+    cores are managed by a process without an API server (--api-server-count > 1,
+    --headless), in-flight requests cannot be seen: the grace always applies.
+    """
+    grace_s = _STATE.config.shutdown_grace_ms / 1000.0
+    vllm_wait_s = _VLLM_DEFAULT_PROCESS_TIMEOUT_S if timeout is None else timeout
+    if grace_s <= 0 or vllm_wait_s >= grace_s:
+        return
+    processors = list(_OUTPUT_PROCESSORS)
+    if processors and not any(getattr(op, "request_states", True) for op in processors):
+        return  # nothing in flight, nothing to save: vLLM's shutdown exactly as it is
+    procs = [p for p in getattr(manager, "processes", ()) if p.is_alive()]
+    if not procs:
+        return
+    stopped = getattr(manager, "manager_stopped", None)
+    if stopped is not None:
+        stopped.set()  # as vLLM's shutdown does first: an exit now is not a failure
+    for proc in procs:
+        proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    alive = sum(p.is_alive() for p in procs)
+    logger.info(
+        "journey-otel: engine core shutdown grace %.0f ms: %d of %d exited by themselves",
+        grace_s * 1000,
+        len(procs) - alive,
+        len(procs),
+    )
+
+
+def _wrap_proc_shutdown(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def shutdown(self: Any, timeout: float | None = None, *args: Any, **kwargs: Any) -> Any:
+        if _STATE.enabled:
+            try:
+                _grace_for_engine_cores(self, timeout)
+            except Exception:  # never in vLLM's way: its own shutdown goes on
+                logger.debug("journey-otel: shutdown grace failed", exc_info=True)
+        return orig(self, timeout, *args, **kwargs)
+
+    return shutdown

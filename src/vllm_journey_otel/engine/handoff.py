@@ -1,0 +1,88 @@
+"""This process's export pipeline: created where the first Scheduler is built.
+
+Engine-core process, the thread that constructs the Scheduler (vLLM's engine
+core start-up); :func:`flush` from any thread (the Scheduler's shutdown, atexit).
+The sink is the exporter process (``process`` mode) or span building here
+(``thread`` mode, and the fallback when the exporter cannot start).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+from typing import Any
+
+from vllm_journey_otel import __version__
+from vllm_journey_otel import schema as S
+from vllm_journey_otel.config import EXPORT_MODE, MODE_PROCESS, logger
+from vllm_journey_otel.engine.pipe_sink import PipeSink
+from vllm_journey_otel.engine.pipeline import JourneyPipeline, Sink
+from vllm_journey_otel.engine.state import _STATE
+from vllm_journey_otel.export.span_sink import SpanSink
+
+
+def _resource_attributes(scheduler: Any) -> dict[str, Any]:
+    vc = scheduler.vllm_config
+    model = getattr(vc.model_config, "served_model_name", None) or getattr(
+        vc.model_config, "model", ""
+    )
+    if isinstance(model, list | tuple):
+        model = model[0] if model else ""
+    return {
+        S.RES_MODEL: str(model),
+        S.RES_DP_RANK: int(getattr(vc.parallel_config, "data_parallel_rank", 0) or 0),
+        S.RES_VLLM_VERSION: _STATE.vllm_version,
+        S.RES_PLUGIN_VERSION: __version__,
+        S.RES_HOST: socket.gethostname(),
+        S.RES_PID: os.getpid(),
+    }
+
+
+def _make_sink(attributes: dict[str, Any]) -> Sink:
+    """The exporter process, or span building in this process (thread mode, tests)."""
+    if _STATE.exporters is None and _STATE.config.export_mode == MODE_PROCESS:
+        try:
+            return PipeSink.start(attributes, processes=_STATE.config.exporter_processes)
+        except Exception:
+            logger.warning(
+                "journey-otel: could not start the exporter process; building spans "
+                "in the engine core instead (%s=thread)",
+                EXPORT_MODE,
+                exc_info=True,
+            )
+    # No SdkLogQuieter here: the SDK's loggers are shared with vLLM's own tracing
+    # in this process; export results are still counted by the export stage.
+    return SpanSink.from_env(attributes, _STATE.exporters, threaded=_STATE.batch)
+
+
+def _pipeline_for(scheduler: Any) -> JourneyPipeline:
+    with _STATE.lock:
+        pid = os.getpid()
+        if _STATE.pipeline is None or _STATE.pipeline_pid != pid:
+            cfg = _STATE.config
+            _STATE.pipeline = JourneyPipeline(
+                _make_sink(_resource_attributes(scheduler)),
+                max_queue=cfg.queue_size,
+                interval_s=cfg.export_interval_ms / 1000.0,
+                cpu_priority=cfg.cpu_priority,
+            )
+            _STATE.pipeline_pid = pid
+            # In-process engines exit through atexit; a forked engine core does
+            # not run atexit, which is why Scheduler.shutdown flushes too.
+            atexit.register(flush, cfg.shutdown_timeout_s)
+        return _STATE.pipeline
+
+
+def flush(timeout_s: float | None = None) -> bool:
+    """Export every finished journey of this process within ``timeout_s``."""
+    pipeline = _STATE.pipeline
+    if pipeline is None or _STATE.pipeline_pid != os.getpid():
+        return True
+    t = _STATE.config.shutdown_timeout_s if timeout_s is None else timeout_s
+    return pipeline.flush(t)
+
+
+def pipeline() -> JourneyPipeline | None:
+    """This process's export pipeline, if a Scheduler created one."""
+    return _STATE.pipeline if _STATE.pipeline_pid == os.getpid() else None

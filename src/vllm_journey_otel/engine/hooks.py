@@ -1,0 +1,242 @@
+"""Installing and removing the plugin's wrappers on vLLM's classes.
+
+Any vLLM process, the thread that loads plugins (``plugin.register``) or a
+test. :func:`install` checks the vLLM version (``compat.py``), wraps the
+Scheduler's methods (``scheduler_wrappers.py``) and the API server's
+(``frontend.py``) once per process, and never raises: vLLM does not guard
+plugin calls. :func:`unwrap` and :func:`uninstall` restore every original. No
+timestamps.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from opentelemetry.sdk.trace.export import SpanExporter
+
+from vllm_journey_otel.config import ALL_VARIABLES, Config, logger
+from vllm_journey_otel.engine.compat import check
+from vllm_journey_otel.engine.frontend import (
+    _wrap_async_add_request,
+    _wrap_output_add_request,
+    _wrap_output_init,
+    _wrap_proc_shutdown,
+)
+
+# What tests and benchmarks reach through this module (the engine side's surface).
+from vllm_journey_otel.engine.handoff import _resource_attributes, flush, pipeline
+from vllm_journey_otel.engine.sampling import HeadSampler, TailRule
+from vllm_journey_otel.engine.scheduler_wrappers import (
+    _wrap_add_request,
+    _wrap_free,
+    _wrap_init,
+    _wrap_preempt,
+    _wrap_schedule,
+    _wrap_shutdown,
+    _wrap_stopped,
+    _wrap_update,
+)
+from vllm_journey_otel.engine.state import (
+    _STATE,
+    JOURNEY_ATTR,
+    TRACKER_ATTR,
+    _engine_proc_manager,
+    _frontend_classes,
+    _vllm,
+)
+from vllm_journey_otel.engine.tracker import (
+    _STATUS_WAITS,
+    SchedulerTracker,
+)
+from vllm_journey_otel.export.exporters import sdk_disabled
+from vllm_journey_otel.journey import (
+    STATUS_ABORTED,
+    STATUS_ERROR,
+    STATUS_IGNORED,
+    STATUS_LENGTH,
+    STATUS_STOPPED,
+)
+
+__all__ = [
+    "JOURNEY_ATTR",
+    "TRACKER_ATTR",
+    "_STATE",
+    "Config",
+    "HeadSampler",
+    "SchedulerTracker",
+    "_resource_attributes",
+    "_vllm",
+    "_wrap_schedule",
+    "enabled",
+    "flush",
+    "install",
+    "pipeline",
+    "uninstall",
+    "unwrap",
+]
+
+_WRAPPERS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
+    "__init__": _wrap_init,
+    "add_request": _wrap_add_request,
+    "schedule": _wrap_schedule,
+    "_preempt_request": _wrap_preempt,
+    "update_from_output": _wrap_update,
+    "_free_request": _wrap_free,
+    "shutdown": _wrap_shutdown,
+    # Optional (streaming-input sessions); absent: a session is one long journey.
+    "_handle_stopped_request": _wrap_stopped,
+}
+
+
+def _status_map(request_status: Any) -> dict[Any, tuple[int, str]]:
+    table = {
+        "FINISHED_STOPPED": (STATUS_STOPPED, "stop"),
+        "FINISHED_LENGTH_CAPPED": (STATUS_LENGTH, "length"),
+        "FINISHED_ABORTED": (STATUS_ABORTED, "abort"),
+        "FINISHED_IGNORED": (STATUS_IGNORED, "length"),
+        "FINISHED_ERROR": (STATUS_ERROR, "error"),
+        # A stop on a detected repetition loop: "stopped", reason "repetition".
+        "FINISHED_REPETITION": (STATUS_STOPPED, "repetition"),
+    }
+    return {
+        getattr(request_status, name): value
+        for name, value in table.items()
+        if hasattr(request_status, name)
+    }
+
+
+def _declare_env_vars() -> None:
+    """Tell vLLM our VLLM_JOURNEY_OTEL* variables are known.
+
+    vLLM warns about unknown VLLM_* variables, and raises with
+    --fail-on-environ-validation; the API server loads plugins before it checks.
+    """
+    import vllm.envs as envs
+
+    table = getattr(envs, "environment_variables", None)
+    if not isinstance(table, dict):
+        return
+    for name in ALL_VARIABLES:
+        table.setdefault(name, functools.partial(os.environ.get, name))
+
+
+def install(
+    config: Config,
+    exporters: Sequence[SpanExporter] | None = None,
+    batch: bool = True,
+    head: HeadSampler | None = None,
+    tail: TailRule | None = None,
+) -> bool:
+    """Wrap the Scheduler's methods once per process. Returns True when tracing is on.
+
+    Idempotent: a second call changes nothing but the enabled flag and, for
+    tests, the injected exporters. Never raises.
+    """
+    try:
+        with _STATE.lock:
+            if not config.enabled:
+                return False
+            if sdk_disabled():
+                logger.info("journey-otel: OTEL_SDK_DISABLED=true, journey tracing stays off")
+                return False
+            version, scheduler_cls, request_status, _ = _vllm()
+            _declare_env_vars()
+            support = check(version, scheduler_cls)
+            if not support.ok:
+                logger.warning("journey-otel: %s", support.reason)
+                return False
+            _STATE.config = config
+            _STATE.support = support
+            _STATE.vllm_version = version
+            _STATE.exporters = exporters
+            _STATE.batch = batch
+            _STATE.status_map = _status_map(request_status)
+            _STATE.streaming_status = getattr(request_status, "WAITING_FOR_STREAMING_REQ", None)
+            _STATE.status_waits = {
+                getattr(request_status, name): reason
+                for name, reason in _STATUS_WAITS.items()
+                if hasattr(request_status, name)
+            }
+            # Read once per process; trackers built from now on use them.
+            _STATE.head = head if head is not None else HeadSampler.from_env(os.environ)
+            _STATE.tail = tail if tail is not None else TailRule.from_env(os.environ)
+            if not _STATE.installed:
+                for name, make in _WRAPPERS.items():
+                    if name == "_preempt_request" and not support.hook_preempt:
+                        continue
+                    if name == "_handle_stopped_request" and not _signature_has(
+                        scheduler_cls, name, "request"
+                    ):
+                        continue
+                    _patch(scheduler_cls, name, make)
+                async_llm, output_processor = _frontend_classes()
+                if _signature_has(async_llm, "add_request", "trace_headers") and _signature_has(
+                    output_processor, "add_request", "request"
+                ):
+                    assert async_llm is not None and output_processor is not None
+                    _patch(async_llm, "add_request", _wrap_async_add_request)
+                    _patch(output_processor, "add_request", _wrap_output_add_request)
+                    _patch(output_processor, "__init__", _wrap_output_init)
+                else:
+                    logger.info(
+                        "journey-otel: AsyncLLM.add_request not as expected; the client's "
+                        "trace context reaches journeys only with --otlp-traces-endpoint"
+                    )
+                manager = _engine_proc_manager()
+                if _signature_has(manager, "shutdown", "timeout"):
+                    assert manager is not None
+                    _patch(manager, "shutdown", _wrap_proc_shutdown)
+                _STATE.installed = True
+            _STATE.failed = False
+            _STATE.enabled = True
+            logger.info("journey-otel: %s; scheduler hooks installed", support.reason)
+            return True
+    except Exception:
+        logger.warning("journey-otel: could not install; journey tracing stays off", exc_info=True)
+        return False
+
+
+def _patch(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    own = name in cls.__dict__
+    orig = getattr(cls, name)
+    _STATE.originals[(cls, name)] = (orig, own)
+    setattr(cls, name, make(orig))
+
+
+def _signature_has(cls: type | None, name: str, param: str) -> bool:
+    fn = getattr(cls, name, None) if cls is not None else None
+    try:
+        return fn is not None and param in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def unwrap() -> None:
+    """Restore every original method; the pipeline stays (benchmarks toggle with this)."""
+    with _STATE.lock:
+        for (cls, name), (orig, own) in _STATE.originals.items():
+            if own:
+                setattr(cls, name, orig)
+            else:
+                delattr(cls, name)
+        _STATE.originals.clear()
+        _STATE.installed = False
+        _STATE.enabled = False
+
+
+def uninstall(timeout_s: float = 5.0) -> None:
+    """Restore every original method and shut the pipeline down (tests)."""
+    unwrap()
+    with _STATE.lock:
+        pipeline, _STATE.pipeline = _STATE.pipeline, None
+    if pipeline is not None:
+        pipeline.shutdown(timeout_s)
+
+
+def enabled() -> bool:
+    """Whether journey tracing is on in this process."""
+    return _STATE.enabled

@@ -1,0 +1,508 @@
+"""Journey bookkeeping of one vLLM Scheduler: the tracker the wrappers call.
+
+Engine-core process, engine-core thread (vLLM's busy loop), inside the wrapped
+Scheduler methods. Each method copies a few integers and one
+``time.monotonic_ns()`` stamp (engine monotonic clock, ``*_mono_ns``) into the
+request's :class:`~vllm_journey_otel.journey.RequestJourney`, never calls
+OpenTelemetry and never loops over the whole batch: per step it touches only the
+requests scheduled for the first time or resumed, those still waiting for the
+first token of a cycle, and, where configured, the waiting requests vLLM
+skipped, the blocked ones and the drafts of a speculative step.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from vllm_journey_otel import schema as S
+from vllm_journey_otel.engine.pipeline import JourneyPipeline
+from vllm_journey_otel.engine.state import _STATE, JOURNEY_ATTR
+from vllm_journey_otel.journey import (
+    PREEMPTED,
+    RUNNING,
+    STATUS_ABORTED,
+    STATUS_ERROR,
+    LinkTarget,
+    RequestJourney,
+    StepRecord,
+)
+from vllm_journey_otel.rng import RNG
+
+_now = time.monotonic_ns
+_frame = sys._getframe
+_WAIT_LORA = S.WAIT_REASONS.index(S.WAIT_LORA_SLOT)
+_WAIT_STREAMING = S.WAIT_REASONS.index(S.WAIT_STREAMING_INPUT)
+_WAIT_REMOTE_KV = S.WAIT_REASONS.index(S.WAIT_REMOTE_KV)
+# A request status vLLM added after this was written: ended, reason unknown.
+_UNKNOWN_STATUS = (STATUS_ABORTED, "abort")
+# vLLM request statuses that mean "waiting for something specific" -> wait reason.
+_STATUS_WAITS = {
+    "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR": S.WAIT_REASONS.index(S.WAIT_GRAMMAR),
+    "WAITING_FOR_REMOTE_KVS": S.WAIT_REASONS.index(S.WAIT_REMOTE_KV),
+}
+
+
+class SchedulerTracker:
+    """Journey bookkeeping of one Scheduler instance (engine-core thread only)."""
+
+    __slots__ = (
+        "__weakref__",
+        "awaiting",
+        "blocked",
+        "has_connector",
+        "head",
+        "hook_preempt",
+        "in_update",
+        "last_update_ids",
+        "last_update_mono_ns",
+        "max_loras",
+        "num_sampled",
+        "pipeline",
+        "scheduler",
+        "spec_decode",
+        "spec_from_vllm",
+        "status_map",
+        "status_waits",
+        "step",
+        "steps_open",
+        "steps_ratio",
+        "streaming_status",
+        "tail",
+        "update_mono_ns",
+    )
+
+    def __init__(self, scheduler: Any, pipeline: JourneyPipeline, hook_preempt: bool) -> None:
+        self.scheduler = scheduler
+        self.pipeline = pipeline
+        self.hook_preempt = hook_preempt
+        self.status_map = _STATE.status_map
+        self.head = _STATE.head
+        self.tail = _STATE.tail
+        self.step = 0
+        # request id -> (Request, RequestJourney) for requests whose current cycle
+        # has no token yet (or that were preempted before their first token).
+        self.awaiting: dict[str, tuple[Any, RequestJourney]] = {}
+        self.in_update = False
+        self.update_mono_ns = 0
+        self.last_update_mono_ns = 0
+        self.last_update_ids: Any = ()
+        vc = scheduler.vllm_config
+        self.spec_decode = getattr(vc, "speculative_config", None) is not None
+        # vLLM keeps per-request draft counts itself when asked to
+        # (--per-request-spec-decode-metrics): then they are read at transitions
+        # only, and nothing is done per step.
+        self.spec_from_vllm = self.spec_decode and (
+            getattr(scheduler, "spec_decode_metrics_level", "none") != "none"
+        )
+        # Tokens a step samples besides accepted drafts (0 for pooling models).
+        self.num_sampled = int(getattr(scheduler, "num_sampled_tokens_per_step", 1))
+        lora = getattr(vc, "lora_config", None)
+        self.max_loras = int(lora.max_loras) if lora is not None else 0
+        # Waits that vLLM expresses as a request status (grammar, remote KV):
+        # status -> reason, and the requests in such a wait (checked per step).
+        self.status_waits: dict[Any, int] = _STATE.status_waits
+        self.streaming_status = _STATE.streaming_status
+        self.blocked: dict[str, tuple[Any, RequestJourney, Any]] = {}
+        # A KV connector can put requests into WAITING_FOR_REMOTE_KVS in schedule().
+        self.has_connector = getattr(scheduler, "connector", None) is not None
+        # Step view: the fraction of steps recorded (0: off), and the recorded
+        # steps whose output is not processed yet, by id() of their SchedulerOutput.
+        cfg = _STATE.config
+        self.steps_ratio = cfg.steps_ratio if cfg.steps else 0.0
+        self.steps_open: dict[int, tuple[Any, ...]] = {}
+
+    # add_request ----------------------------------------------------------
+    def before_add(self, request: Any) -> bool:
+        # A known id is the next input chunk of a streaming-input session, not a
+        # new request.
+        return bool(request.request_id in self.scheduler.requests)
+
+    def after_add(self, request: Any, known: bool) -> None:
+        if known:
+            # Streaming input: the next input chunk of a session (or its end,
+            # which vLLM turns into an abort, seen by _free_request).
+            session = self.scheduler.requests.get(request.request_id)
+            j = getattr(session, JOURNEY_ATTR, None)
+            if (
+                j is not None
+                and j.wait_reason == _WAIT_STREAMING
+                and session.status != self.streaming_status
+            ):
+                j.wait_ended(_now(), self.step, _WAIT_STREAMING)
+            return
+        sampled, root_ids = self.head.decide(request.trace_headers)
+        if not sampled and not self.tail.active:
+            return  # an unsampled request costs this decision and nothing else
+        sp = request.sampling_params
+        lora = request.lora_request
+        j = RequestJourney(
+            request.request_id,
+            request.arrival_time,
+            _now(),
+            self.step,
+            request.num_prompt_tokens,
+            sp.max_tokens if sp is not None else None,
+            request.priority,
+            lora.lora_name if lora is not None else None,
+            request.trace_headers,
+            sampled,
+            self.spec_decode,
+            bool(getattr(request, "resumable", False)),
+        )
+        if root_ids is not None:  # the trace id the ratio was decided on
+            j.root_ids = root_ids
+        setattr(request, JOURNEY_ATTR, j)
+        reason = self.status_waits.get(request.status)
+        if reason is not None:  # a grammar to compile before it can be scheduled
+            j.wait_began(j.admitted.t_mono_ns, self.step, reason)
+            self.blocked[request.request_id] = (request, j, request.status)
+
+    # schedule --------------------------------------------------------------
+    def after_schedule(self, t: int, out: Any) -> None:
+        self.step += 1
+        step = self.step
+        requests = self.scheduler.requests
+        nst = out.num_scheduled_tokens
+        if not self.hook_preempt:
+            for rid in out.preempted_req_ids:
+                req = requests.get(rid)
+                j = getattr(req, JOURNEY_ATTR, None)
+                if j is not None:
+                    # KV usage and queue lengths at the moment are unknown here.
+                    j.preempted(t, step, j.prefill_hwm, req.num_output_tokens, None, None, None)
+        awaiting = self.awaiting
+        new_ids = [nr.req_id for nr in out.scheduled_new_reqs]
+        # V1 model runner: resumed requests are listed apart. V2 runner (0.33's GPU
+        # default): they are in scheduled_new_reqs. The journey's own state tells
+        # a first schedule from a resume either way.
+        new_ids.extend(out.scheduled_cached_reqs.resumed_req_ids)
+        for rid in new_ids:
+            req = requests.get(rid)
+            j = getattr(req, JOURNEY_ATTR, None)
+            if j is None:
+                continue
+            if self.spec_from_vllm:
+                _vllm_drafts(req, j)
+            after = req.num_computed_tokens
+            if j.scheduled(
+                t, step, after - nst.get(rid, 0), after, req.num_tokens, req.num_output_tokens
+            ):
+                awaiting[rid] = (req, j)
+        for rid, (req, j) in awaiting.items():
+            # Skips the cycles that started in this very step (stepped() would too).
+            if j.last_cycle_step != step:
+                n = nst.get(rid)
+                if n:
+                    after = req.num_computed_tokens
+                    j.stepped(step, after - n, after)
+        if self.blocked:
+            self._blocked_waits(t, step)
+        if self.max_loras or self.has_connector:
+            deferred = getattr(self.scheduler, "deferred_waiting", None)
+            if deferred:
+                self._deferred_waits(t, step, deferred)
+        ratio = self.steps_ratio
+        if ratio and nst and (ratio >= 1.0 or RNG.random() < ratio):
+            self._step_begin(t, step, out)
+
+    def _step_begin(self, t: int, step: int, out: Any) -> None:
+        """Step view only: what the step scheduled. O(batch), on sampled steps only."""
+        s = self.scheduler
+        get = s.requests.get
+        prefill = decode = 0
+        links: list[LinkTarget] = []
+        append = links.append
+        for rid, n in out.num_scheduled_tokens.items():
+            req = get(rid)
+            if req is None:
+                continue
+            # Decode: one new position (plus drafts) after the prompt and every
+            # generated token; anything further behind is prompt or recompute.
+            if req.num_computed_tokens - n >= req.num_tokens - 1 and (
+                req.num_output_tokens > 0 or req.num_output_placeholders > 0
+            ):
+                decode += n
+            else:
+                prefill += n
+            j = getattr(req, JOURNEY_ATTR, None)
+            if j is not None and j.head_sampled:
+                append(j.link or j.link_target())
+        open_steps = self.steps_open
+        if len(open_steps) >= 64:
+            # Outputs never processed (an engine that dropped a batch): forget
+            # them rather than grow. With async scheduling at most a few are open.
+            open_steps.clear()
+        open_steps[id(out)] = (
+            step,
+            t,
+            _now(),
+            len(out.num_scheduled_tokens),
+            prefill,
+            decode,
+            len(out.preempted_req_ids),
+            float(s.kv_cache_manager.usage),
+            len(s.running),
+            len(s.waiting),
+            links,
+        )
+
+    def _blocked_waits(self, t: int, step: int) -> None:
+        """Requests in a status wait: the wait ends when vLLM changes the status
+        (it notices a compiled grammar or a finished KV load in schedule())."""
+        done = [rid for rid, (req, _, status) in self.blocked.items() if req.status != status]
+        for rid in done:
+            _, j, status = self.blocked.pop(rid)
+            j.wait_ended(t, step, self.status_waits[status])
+
+    def _deferred_waits(self, t: int, step: int, deferred: Any) -> None:
+        """Requests that schedule() skipped (vLLM's ``deferred_waiting``), only with
+        a LoRA config or a KV connector; O(skipped requests).
+
+        * Waiting for remote KV: the connector started an asynchronous load
+          (status WAITING_FOR_REMOTE_KVS); tracked in ``blocked`` from then on.
+        * Waiting for an adapter slot: ``max_loras`` adapters were in use by
+          running requests and the request's own was not one of them.
+        """
+        active: set[int] | None = None
+        blocked = self.blocked
+        for req in deferred:
+            j = getattr(req, JOURNEY_ATTR, None)
+            if j is None:
+                continue
+            status = req.status
+            reason = self.status_waits.get(status)
+            if reason is not None:
+                rid = req.request_id
+                if rid not in blocked:
+                    j.wait_began(t, step, reason)
+                    blocked[rid] = (req, j, status)
+                continue
+            lora = req.lora_request
+            if lora is None or not self.max_loras:
+                continue
+            if active is None:
+                active = {
+                    r.lora_request.lora_int_id
+                    for r in self.scheduler.running
+                    if r.lora_request is not None and r.lora_request.lora_int_id > 0
+                }
+            if len(active) >= self.max_loras and lora.lora_int_id not in active:
+                j.wait_began(t, step, _WAIT_LORA)
+            elif j.wait_reason == _WAIT_LORA:
+                j.wait_ended(t, step, _WAIT_LORA)
+
+    # _preempt_request ------------------------------------------------------
+    def before_preempt(self, request: Any) -> tuple[Any, ...] | None:
+        if getattr(request, JOURNEY_ATTR, None) is None:
+            return None
+        s = self.scheduler
+        # The cause: schedule() preempts while it allocates KV blocks for the
+        # running request in its local ``request`` (both policies; with PRIORITY
+        # the victim is the lowest-priority running request). Frames: 0 this,
+        # 1 our wrapper, 2 its caller. Read only at a preemption.
+        cause_id = link = None
+        caller = _frame(2)
+        if caller.f_code.co_name == "schedule":
+            cause = caller.f_locals.get("request")
+            cid = getattr(cause, "request_id", None)
+            if cause is not request and isinstance(cid, str):
+                cause_id = cid
+                cj = getattr(cause, JOURNEY_ATTR, None)
+                if cj is not None and cj.head_sampled:
+                    link = cj.link_target()
+        # Read before vLLM frees the blocks and resets num_computed_tokens: the
+        # usage that forced the preemption, and the progress it throws away.
+        return (
+            request.num_computed_tokens,
+            request.num_output_tokens,
+            float(s.kv_cache_manager.usage),
+            len(s.running),
+            len(s.waiting),
+            cause_id,
+            link,
+        )
+
+    def after_preempt(self, request: Any, pre: tuple[Any, ...] | None) -> None:
+        j = getattr(request, JOURNEY_ATTR, None)
+        if pre is None or j is None:
+            return
+        if self.spec_from_vllm:
+            _vllm_drafts(request, j)
+        j.preempted(_now(), self.step, *pre)
+        if not j.awaiting_token:
+            self.awaiting.pop(request.request_id, None)
+
+    # _handle_stopped_request (streaming input) --------------------------------
+    def after_segment(self, request: Any, output_tokens: int) -> None:
+        """A resumable request stopped and stays: its input segment ended."""
+        j = getattr(request, JOURNEY_ATTR, None)
+        if j is None:
+            return
+        t = self.update_mono_ns if self.in_update else _now()
+        if self.spec_from_vllm:
+            _vllm_drafts(request, j)
+        waiting = request.status == self.streaming_status
+        j.segment_ended(
+            t,
+            self.step,
+            output_tokens,
+            request.num_computed_tokens,
+            _WAIT_STREAMING if waiting else -1,
+        )
+        self.awaiting.pop(request.request_id, None)
+
+    # update_from_output ----------------------------------------------------
+    def before_update(self) -> None:
+        self.in_update = True
+        self.update_mono_ns = _now()
+
+    def spec_verified(self, scheduler_output: Any, mro: Any) -> None:
+        """Speculative decoding: drafts proposed and accepted per request this step.
+
+        Read before the original runs, so a request that finishes in it still
+        counts its last step; the same arithmetic as vLLM's spec-decode stats.
+        O(requests with drafts), and only with speculative decoding.
+        """
+        get = self.scheduler.requests.get
+        index = mro.req_id_to_index.get
+        sampled = mro.sampled_token_ids
+        if not sampled and self.num_sampled:
+            return  # nothing generated: vLLM counts no verify step
+        invalid = getattr(scheduler_output, "num_invalid_spec_tokens", None)
+        k = self.num_sampled
+        for rid, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            req = get(rid)
+            j = getattr(req, JOURNEY_ATTR, None)
+            if j is None or not drafts:
+                continue
+            if req.num_stale_output_tokens > 0 and req.drop_stale_output:
+                continue  # vLLM discards this output
+            i = index(rid)
+            n = len(sampled[i]) if sampled and i is not None else 0
+            if not n and k:
+                continue
+            proposed = len(drafts)
+            if invalid:
+                proposed -= invalid.get(rid, 0)
+            j.verified(proposed, n - k if n > k else 0)
+
+    def kv_transfers(self, mro: Any) -> None:
+        """KV connector: the asynchronous loads the worker side reports finished
+        (``finished_recving``) or failed (``failed_recving``) in this step's
+        output. Read before the original runs: with vLLM's default
+        ``kv_load_failure_policy="fail"`` it ends a failed request in there.
+        Only with a KV connector and while some request is in a status wait
+        (grammar or remote KV); O(loads reported)."""
+        kco = getattr(mro, "kv_connector_output", None)
+        if kco is None:
+            return
+        done = getattr(kco, "finished_recving", None)
+        bad = getattr(kco, "failed_recving", None)
+        if not done and not bad:
+            return
+        # Block-level failures (invalid_block_ids) cannot be told apart per
+        # request before vLLM maps them: then success is unknown, not assumed.
+        unknown = bool(getattr(kco, "invalid_block_ids", None))
+        t = self.update_mono_ns
+        step = self.step
+        blocked = self.blocked
+        waits = self.status_waits
+        for rid in set(done or ()) | set(bad or ()):
+            entry = blocked.get(rid)
+            if entry is None:
+                continue
+            req, j, status = entry
+            if waits.get(status) != _WAIT_REMOTE_KV:
+                continue
+            # vLLM fills PrefillStats at the first admission only: after a
+            # preemption its count is not this load's (not observed: -1).
+            stats = getattr(req, "prefill_stats", None)
+            tokens = (
+                getattr(stats, "num_external_cached_tokens", -1)
+                if stats is not None and not req.num_preemptions
+                else -1
+            )
+            failed = 1 if bad and rid in bad else (-1 if unknown else 0)
+            j.kv_loaded(t, step, tokens if isinstance(tokens, int) else -1, failed)
+
+    def after_update(self, scheduler_output: Any) -> None:
+        t = self.update_mono_ns
+        self.in_update = False
+        self.last_update_mono_ns = t
+        self.last_update_ids = scheduler_output.num_scheduled_tokens
+        if self.steps_open:
+            rec = self.steps_open.pop(id(scheduler_output), None)
+            if rec is not None:
+                step, t0, t1, *rest = rec
+                self.pipeline.submit(StepRecord(step, t0, t1, _now(), *rest))
+        # The last step before idling hands everything on: no later step would.
+        self.pipeline.publish_due(t, force=not self.scheduler.requests)
+        awaiting = self.awaiting
+        if not awaiting:
+            return
+        step = self.step
+        done = None
+        for rid, (req, j) in awaiting.items():
+            if not j.tokens(t, step, req.num_output_tokens):
+                if done is None:
+                    done = [rid]
+                else:
+                    done.append(rid)
+        if done:
+            for rid in done:
+                del awaiting[rid]
+
+    # _free_request ---------------------------------------------------------
+    def after_free(self, request: Any) -> None:
+        j: RequestJourney | None = getattr(request, JOURNEY_ATTR, None)
+        if j is None:
+            return
+        setattr(request, JOURNEY_ATTR, None)
+        rid = request.request_id
+        self.awaiting.pop(rid, None)
+        if self.blocked:
+            self.blocked.pop(rid, None)
+        out_tokens = request.num_output_tokens
+        last: int | None
+        if self.in_update:
+            t = self.update_mono_ns
+            last = t
+        else:
+            t = _now()
+            # Finished outside update_from_output (an abort): its last token came
+            # with the last processed step if it was in that batch and decoding.
+            last = (
+                self.last_update_mono_ns
+                if j.state == RUNNING and j.decoding and rid in self.last_update_ids
+                else None
+            )
+        state = j.state
+        if (state == RUNNING and not j.decoding) or (
+            state == PREEMPTED and j.first_token_mono_ns is None
+        ):
+            j.tokens(t, self.step, out_tokens)  # a first token that came with the end
+        if self.spec_from_vllm:
+            _vllm_drafts(request, j)
+        status, reason = self.status_map.get(request.status, _UNKNOWN_STATUS)
+        finished = j.finish(t, self.step, status, reason, out_tokens, last)
+        if finished is None:
+            return
+        if not finished.head_sampled and not self.tail.keeps(
+            status == STATUS_ERROR,
+            status == STATUS_ABORTED,
+            finished.end.num_preemptions,
+            t - finished.admitted.t_mono_ns,
+        ):
+            return  # dropped by head sampling, not kept by the tail rule
+        self.pipeline.submit(finished)
+        if not self.in_update:
+            self.pipeline.publish_due(t, force=True)  # an abort between steps
+
+
+def _vllm_drafts(request: Any, j: RequestJourney) -> None:
+    """The request's draft totals from vLLM's own per-request spec-decode metrics."""
+    m = request.spec_decode_metrics
+    if m is not None:
+        j.drafts_so_far(m.num_draft_tokens, sum(i * c for i, c in enumerate(m.histogram)))

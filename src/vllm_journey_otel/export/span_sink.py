@@ -1,0 +1,155 @@
+"""Span building for a batch of finished journeys, into the export stage.
+
+The exporter process's main thread (``process`` mode), or the engine core's
+drain thread (``thread`` mode). Clock: the plan's stamps are engine monotonic
+(``*_mono_ns``), converted to epoch with this process's anchor (``clock.py``:
+CLOCK_MONOTONIC is system-wide, so the exporter's anchor converts the engine
+core's stamps on the same host).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter
+
+from vllm_journey_otel import schema as S
+from vllm_journey_otel.clock import ClockAnchor
+from vllm_journey_otel.config import EXPORT_MODE, QUEUE_SIZE, batching_from_env, logger
+from vllm_journey_otel.export.export_stage import ExportStage
+from vllm_journey_otel.export.exporters import (
+    TRACES_EXPORTER,
+    build_exporters,
+    exporter_names,
+    make_resource,
+    span_limits,
+)
+from vllm_journey_otel.export.health import ExportHealth, endpoint_name
+from vllm_journey_otel.export.span_builder import SpanBuilder
+from vllm_journey_otel.export.spans import ROOT, plan_spans, plan_step, root_context
+from vllm_journey_otel.journey import Record, StepRecord
+
+
+class SpanSink:
+    """Build spans in this process and hand them to the export stage."""
+
+    def __init__(
+        self,
+        builder: SpanBuilder,
+        stage: ExportStage,
+        clock: ClockAnchor | None = None,
+        stop: Callable[[], bool] | None = None,
+    ) -> None:
+        self.builder = builder
+        self.stage = stage
+        self.health = stage.health
+        self._clock = clock or ClockAnchor()
+        self._stop = stop
+        self.failed = 0
+
+    @classmethod
+    def from_env(
+        cls,
+        resource_attributes: Mapping[str, Any],
+        exporters: Sequence[SpanExporter] | None = None,
+        threaded: bool = True,
+        health: ExportHealth | None = None,
+        stop: Callable[[], bool] | None = None,
+    ) -> SpanSink:
+        """Exporters, resource, limits and batching from the OTEL_* variables
+        (``exporters`` given: those, for tests)."""
+        names: list[str] = []
+        if exporters is None:
+            try:
+                names = exporter_names()
+                exporters = build_exporters()
+            except Exception as exc:  # a bad OTEL_TRACES_EXPORTER must not stop vLLM
+                logger.warning("journey-otel: %s; journeys are recorded but not exported", exc)
+                exporters = []
+            else:
+                if not exporters:
+                    logger.info("%s=none: journeys are recorded but not exported.", TRACES_EXPORTER)
+        batching = batching_from_env()
+        stage = ExportStage(
+            exporters,
+            health or ExportHealth(),
+            max_batch=batching.max_batch,
+            delay_s=batching.delay_ms / 1000.0,
+            max_pending=batching.max_pending,
+            threaded=threaded,
+            endpoint=endpoint_name(names),
+        )
+        builder = SpanBuilder(make_resource(resource_attributes), span_limits())
+        return cls(builder, stage, stop=stop)
+
+    def offer(self, batch: Sequence[Record], engine_dropped: int = 0) -> bool:
+        return False  # building spans is not for the engine thread: always queue
+
+    takes_offers = False
+
+    @property
+    def drop_advice(self) -> str:
+        return (
+            f"building spans in this process cannot keep up: use {EXPORT_MODE}=process, "
+            f"lower the sampling ratio, or raise {QUEUE_SIZE} for bursts"
+        )
+
+    @property
+    def pending(self) -> bool:
+        return False
+
+    def maintain(self) -> None:
+        pass  # nothing here goes away
+
+    def consume(
+        self, batch: Sequence[Record], engine_dropped: int = 0, deadline: float | None = None
+    ) -> int:
+        # Building spans takes CPU, not a wait; the stage may make us wait for
+        # the backend (backpressure), not bounded by ``deadline``.
+        failed = 0
+        health = self.health
+        health.engine_dropped = max(health.engine_dropped, engine_dropped)
+        built: list[ReadableSpan] = []
+        for journey in batch:
+            try:
+                offset_ns = self._clock.anchor.offset_ns
+                if isinstance(journey, StepRecord):
+                    built.append(self.builder.build_step(plan_step(journey, offset_ns)))
+                else:
+                    health.journeys += 1
+                    anchor = self._clock.anchor
+                    plan = plan_spans(journey, anchor.offset_ns, anchor.uncertainty_ns)
+                    root = plan[ROOT].attributes
+                    root[S.TRACER_DROPPED_JOURNEYS] = health.engine_dropped
+                    root[S.TRACER_LOST_SPANS] = health.lost_spans
+                    built.extend(self.builder.build(plan, *root_context(journey)))
+            except Exception:
+                failed += 1
+                if self.failed + failed == 1:
+                    logger.warning(
+                        "journey-otel: could not build spans for a journey; "
+                        "later failures are counted silently",
+                        exc_info=True,
+                    )
+            if len(built) >= ADD_SPANS:
+                health.spans_built += len(built)
+                self.stage.add(built, self._stop)
+                built = []
+        health.spans_built += len(built)
+        self.stage.add(built, self._stop)
+        self.failed += failed
+        return failed
+
+    def flush(self, timeout_s: float) -> bool:
+        """Export what was built within ``timeout_s``."""
+        return self.stage.flush(timeout_s)
+
+    def shutdown(self, timeout_s: float) -> None:
+        self.stage.shutdown(timeout_s)
+
+
+# Spans handed to the export stage at a time: a large frame (a drain of the
+# whole queue) waits for room piecewise instead of holding all its spans.
+ADD_SPANS = 512

@@ -1,0 +1,145 @@
+"""The wire format the engine core and the exporter process share.
+
+Frames on the exporter's stdin: a 4-byte little-endian length and a
+msgpack-encoded :class:`Frame` (finished journeys and sampled engine steps, and
+how many journeys the engine core has dropped so far, for the tracer-health
+attributes). Written by the engine core (``engine/pipe_sink.py``: the engine
+thread, or the drain thread), read by the exporter process's main thread
+(:class:`FrameReader`). Clock: ``time.monotonic()`` for the paced read.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import struct
+import time
+from collections.abc import Callable, Iterator
+from typing import IO
+
+import msgspec
+
+from vllm_journey_otel.journey import Record
+
+FRAME_HEADER = struct.Struct("<I")
+# Frames larger than this are refused by the reader (a corrupt length).
+MAX_FRAME_BYTES = 256 * 1024 * 1024
+
+
+class Frame(msgspec.Struct, array_like=True):
+    """One message on the exporter pipe."""
+
+    journeys: list[Record]  # finished journeys and sampled engine steps
+    # Journeys the engine core dropped so far (full queue, exporter gone).
+    engine_dropped: int = 0
+
+
+ENCODER = msgspec.msgpack.Encoder()
+DECODER = msgspec.msgpack.Decoder(Frame)
+
+
+# The exporter reads the pipe at most this often while journeys keep coming:
+# twice the engine's hand-off interval (pipeline.PUBLISH_INTERVAL_NS), so a
+# read mostly finds a frame waiting and the reader is rarely blocked in read()
+# when the engine thread writes.
+READ_PACE_S = 0.05
+_READ_CHUNK = 1 << 20
+
+
+# While a stop may be requested, the reader waits in select() this long at a
+# time, so a SIGTERM is noticed within it (a signal handler that does not raise
+# cannot interrupt a blocking read: PEP 475 retries it).
+_STOP_POLL_S = 0.25
+
+
+class FrameReader:
+    """Decodes :class:`Frame` s from a byte stream (exporter side, main thread).
+
+    The buffer belongs to the reader, not to one iteration: frames already read
+    but not yet handed out survive an interrupted iteration, and a frame is
+    taken off the buffer as it is handed out, so none is handed out twice.
+    """
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._pos = 0
+
+    def frames(
+        self,
+        stream: IO[bytes],
+        pace_s: float = 0.0,
+        stop: Callable[[], bool] | None = None,
+    ) -> Iterator[Frame]:
+        """Yield frames until end-of-file.
+
+        ``pace_s`` > 0: after a read that left no partial frame and did not fill
+        the read buffer, the next read comes no sooner than ``pace_s`` after it
+        returned (handling its frames counts toward the pause). A writer whose
+        reader is blocked in ``read`` pays for waking it inside its ``write``
+        (~8-12 us instead of ~1 us here, more when the woken reader takes the
+        writer's core): paced, the exporter is asleep or busy when the engine
+        thread writes, and blocks (no CPU) only when nothing came during the
+        pause. Frames wait at most ``pace_s`` longer; a busy exporter (handling
+        takes longer, or a full read) and a frame still arriving never pause, so
+        capacity is unchanged. A partial frame at end-of-file is dropped.
+
+        ``stop`` (the exporter's SIGTERM flag): once it returns True, what is
+        already in the pipe is read without waiting and the iteration ends.
+        Given, the stream's descriptor is read directly (``os.read``).
+        A non-blocking stream with nothing to read ends the iteration too.
+        """
+        size_of = FRAME_HEADER.unpack_from
+        header = FRAME_HEADER.size
+        buf = self._buf
+        clock = time.monotonic
+        fd = stream.fileno() if stop is not None else -1
+        draining = False
+        last = -1  # bytes of the last read (-1: none yet)
+        read_at = 0.0
+        while True:
+            while len(buf) - self._pos >= header:
+                (size,) = size_of(buf, self._pos)
+                if size > MAX_FRAME_BYTES:
+                    raise ValueError(f"frame of {size} bytes exceeds the {MAX_FRAME_BYTES} limit")
+                end = self._pos + header + size
+                if len(buf) < end:
+                    break
+                payload = buf[self._pos + header : end]
+                self._pos = end
+                yield DECODER.decode(payload)
+            del buf[: self._pos]
+            self._pos = 0
+            if stop is not None and not draining and stop():
+                draining = True
+            if pace_s > 0 and not draining and 0 <= last < _READ_CHUNK and not buf:
+                rest = read_at + pace_s - clock()
+                if rest > 0:
+                    time.sleep(rest)
+            if stop is not None:
+                if not draining:
+                    while not select.select([fd], [], [], _STOP_POLL_S)[0]:
+                        if stop():
+                            draining = True
+                            break
+                if draining:
+                    os.set_blocking(fd, False)
+                try:
+                    chunk: bytes | None = os.read(fd, _READ_CHUNK)
+                except BlockingIOError:
+                    return
+            else:
+                try:
+                    chunk = stream.read1(_READ_CHUNK)  # type: ignore[attr-defined]
+                except BlockingIOError:
+                    return
+            if not chunk:  # end-of-file (None: non-blocking and empty)
+                return
+            read_at = clock()
+            last = len(chunk)
+            buf += chunk
+
+
+def read_frames(stream: IO[bytes], pace_s: float = 0.0) -> Iterator[Frame]:
+    """Yield decoded :class:`Frame` s from ``stream`` until end-of-file
+    (:meth:`FrameReader.frames` with a reader of its own)."""
+    return FrameReader().frames(stream, pace_s)
