@@ -53,8 +53,9 @@ from vllm_journey_otel import __version__
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.engine.pipe_sink import PipeSink
 from vllm_journey_otel.engine.pipeline import JourneyPipeline
+from vllm_journey_otel.engine.request_journey import RequestJourney
 from vllm_journey_otel.export.spans import plan_spans
-from vllm_journey_otel.journey import STATUS_LENGTH, FinishedJourney, RequestJourney
+from vllm_journey_otel.journey import STATUS_LENGTH, FinishedJourney
 
 MS = 1_000_000
 # What the plugin puts on the resource in vLLM (hooks._resource_attributes).

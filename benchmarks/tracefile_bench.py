@@ -18,13 +18,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from vllm_journey_otel.engine.request_journey import RequestJourney
 from vllm_journey_otel.export.export_stage import ExportStage
 from vllm_journey_otel.export.exporters import make_resource, span_limits
 from vllm_journey_otel.export.file_exporter import OtlpJsonFileExporter
 from vllm_journey_otel.export.health import ExportHealth
 from vllm_journey_otel.export.span_builder import SpanBuilder
 from vllm_journey_otel.export.spans import plan_spans
-from vllm_journey_otel.journey import STATUS_ABORTED, STATUS_LENGTH, RequestJourney
+from vllm_journey_otel.journey import STATUS_ABORTED, STATUS_LENGTH
 
 MS = 1_000_000
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 
-from vllm_journey_otel.journey import STATUS_LENGTH, FinishedJourney, RequestJourney
+from vllm_journey_otel.engine.request_journey import RequestJourney
+from vllm_journey_otel.journey import STATUS_LENGTH, FinishedJourney
 
 MS = 1_000_000
 

@@ -12,9 +12,8 @@ from otlp_receiver import Receiver, running_receiver
 from services import wait_until
 from vllm_journey_otel import __version__
 from vllm_journey_otel import schema as S
-from vllm_journey_otel.config import MODE_PROCESS, MODE_THREAD, Config
+from vllm_journey_otel.config import MODE_PROCESS, MODE_THREAD, Config, exporter_names
 from vllm_journey_otel.engine import hooks
-from vllm_journey_otel.export.exporters import exporter_names
 
 pytestmark = requires_vllm
 harness = import_harness()

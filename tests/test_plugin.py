@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from conftest import import_harness, requires_vllm
 from vllm_journey_otel.config import Config
 from vllm_journey_otel.engine import hooks
-from vllm_journey_otel.engine.compat import REQUIRED_METHODS, check
+from vllm_journey_otel.engine.compat import REQUIRED_METHODS, TARGETS, check, patchable
 
 pytestmark = requires_vllm
 harness = import_harness()
@@ -170,6 +170,62 @@ def test_unknown_version_with_every_hook_enables(monkeypatch, caplog) -> None:
         hooks.uninstall()
 
 
+def _target_classes() -> dict[str, type | None]:
+    from vllm_journey_otel.engine import state
+
+    _, scheduler, _, _ = state._vllm()
+    async_llm, output_processor = state._frontend_classes()
+    return {
+        "Scheduler": scheduler,
+        "AsyncLLM": async_llm,
+        "OutputProcessor": output_processor,
+        "CoreEngineProcManager": state._engine_proc_manager(),
+    }
+
+
+def test_every_target_of_the_table_is_wrapped_and_restored() -> None:
+    """On the vLLM under test every target of compat.TARGETS is there as the
+    table says; install wraps each once, uninstall puts each original back."""
+    classes = _target_classes()
+    wrap, left_out = patchable(classes)
+    assert left_out == [] and len(wrap) == len(TARGETS)
+    before = {t: classes[t.owner].__dict__.get(t.method) for t in TARGETS}  # type: ignore[union-attr]
+    try:
+        assert hooks.install(Config(enabled=True), exporters=[InMemorySpanExporter()], batch=False)
+        for t in TARGETS:
+            now = getattr(classes[t.owner], t.method)
+            assert getattr(now, "__wrapped__", None) is not None, t.name
+    finally:
+        hooks.uninstall()
+    assert {t: classes[t.owner].__dict__.get(t.method) for t in TARGETS} == before  # type: ignore[union-attr]
+
+
+def test_a_target_left_out_takes_its_group_and_says_what_is_lost(caplog) -> None:  # type: ignore[no-untyped-def]
+    classes = _target_classes()
+    processor = classes["OutputProcessor"]
+    assert processor is not None
+
+    class OddProcessor(processor):  # type: ignore[misc,valid-type]
+        def add_request(self, req, *args, **kwargs):  # type: ignore[no-untyped-def,override]
+            return super().add_request(req, *args, **kwargs)
+
+    wrap, left_out = patchable({**classes, "OutputProcessor": OddProcessor})
+    assert sorted(t.name for t in left_out) == [
+        "AsyncLLM.add_request",
+        "OutputProcessor.__init__",
+        "OutputProcessor.add_request",
+    ]
+    assert all(t.group != "trace context" for t in wrap)
+    no_session = {**classes, "Scheduler": type("Old", (), {n: getattr(classes["Scheduler"], n)
+                                                           for n in REQUIRED_METHODS})}  # fmt: skip
+    wrap, left_out = patchable(no_session)
+    assert {t.name for t in left_out} == {
+        "Scheduler._preempt_request",
+        "Scheduler._handle_stopped_request",
+    }
+    assert all(t.without for t in left_out), "each optional target says what is lost"
+
+
 def test_check_is_data_driven() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -189,7 +245,7 @@ def test_check_is_data_driven() -> None:
 def test_raising_hook_leaves_scheduler_outputs_unchanged(monkeypatch, caplog) -> None:
     reference = _workload(_engine())
 
-    from vllm_journey_otel import journey
+    from vllm_journey_otel.engine import request_journey as journey
 
     calls = {"n": 0}
     orig = journey.RequestJourney.preempted

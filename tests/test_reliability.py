@@ -236,7 +236,8 @@ def test_exporter_stalled_engine_side_drops_counted_and_carried(  # type: ignore
 
     from vllm_journey_otel.engine.pipe_sink import PipeSink
     from vllm_journey_otel.engine.pipeline import JourneyPipeline
-    from vllm_journey_otel.journey import STATUS_LENGTH, RequestJourney
+    from vllm_journey_otel.engine.request_journey import RequestJourney
+    from vllm_journey_otel.journey import STATUS_LENGTH
     from vllm_journey_otel.tools.tracefile import read_spans
 
     out = tmp_path / "journeys.otlp.jsonl"

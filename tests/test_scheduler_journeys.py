@@ -164,7 +164,7 @@ def test_preemption_and_resume(tracing, async_scheduling: bool) -> None:
 def test_preempted_while_first_token_in_flight(tracing) -> None:
     """Async: schedule(N+1) preempts B before update(N) delivers B's first token."""
     e = _preemption_engine(async_scheduling=True)
-    from vllm_journey_otel import journey
+    from vllm_journey_otel.engine import request_journey as journey
 
     seen = []
     orig = journey.RequestJourney.tokens
@@ -452,11 +452,19 @@ def test_root_starts_at_arrival(tracing) -> None:
 
 def test_preemptions_without_the_private_hook(tracing, monkeypatch) -> None:
     """A vLLM without Scheduler._preempt_request: preemptions come from SchedulerOutput."""
-    from vllm_journey_otel.engine import hooks
-    from vllm_journey_otel.engine.compat import Support
+    import dataclasses
+
+    from vllm_journey_otel.engine import compat, hooks
 
     hooks.uninstall()
-    monkeypatch.setattr(hooks, "check", lambda version, cls: Support(True, "test", False))
+    # The table as a vLLM whose _preempt_request has another signature makes it.
+    odd = tuple(
+        dataclasses.replace(t, params=("no_such_parameter",))
+        if t.method == "_preempt_request"
+        else t
+        for t in compat.TARGETS
+    )
+    monkeypatch.setattr(compat, "TARGETS", odd)
     from vllm.v1.core.sched.scheduler import Scheduler
 
     original = Scheduler._preempt_request

@@ -27,6 +27,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import NonRecordingSpan, Status, StatusCode
 
 from vllm_journey_otel import schema as S
+from vllm_journey_otel.engine.request_journey import RequestJourney
 from vllm_journey_otel.export.exporters import make_resource, span_limits
 from vllm_journey_otel.export.span_builder import SpanBuilder
 from vllm_journey_otel.export.spans import (
@@ -36,13 +37,7 @@ from vllm_journey_otel.export.spans import (
     root_context,
     trace_id_of,
 )
-from vllm_journey_otel.journey import (
-    STATUS_ERROR,
-    STATUS_LENGTH,
-    FinishedJourney,
-    RequestJourney,
-    StepRecord,
-)
+from vllm_journey_otel.journey import STATUS_ERROR, STATUS_LENGTH, FinishedJourney, StepRecord
 
 MS = 1_000_000
 OFFSET = 1_700_000_000_000_000_000

@@ -12,15 +12,10 @@ from opentelemetry.sdk.trace import SpanLimits
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from vllm_journey_otel import schema as S
+from vllm_journey_otel.engine.request_journey import RequestJourney
 from vllm_journey_otel.export.span_builder import SpanBuilder
 from vllm_journey_otel.export.spans import plan_spans, root_context
-from vllm_journey_otel.journey import (
-    STATUS_ABORTED,
-    STATUS_ERROR,
-    STATUS_LENGTH,
-    FinishedJourney,
-    RequestJourney,
-)
+from vllm_journey_otel.journey import STATUS_ABORTED, STATUS_ERROR, STATUS_LENGTH, FinishedJourney
 
 MS = 1_000_000
 OFFSET = 1_700_000_000_000_000_000  # epoch ns at mono 0
@@ -257,8 +252,8 @@ def test_finish_carries_every_field_to_its_place() -> None:
 def test_trace_headers_are_bounded_and_malformed_ones_make_a_root() -> None:
     from opentelemetry import trace
 
+    from vllm_journey_otel.engine.request_journey import TRACESTATE_MAX, bounded_trace_headers
     from vllm_journey_otel.export.spans import parent_context
-    from vllm_journey_otel.journey import TRACESTATE_MAX, bounded_trace_headers
 
     good = "00-" + "a" * 32 + "-" + "b" * 16 + "-01"
     kept = bounded_trace_headers({"traceparent": good, "tracestate": "x=1", "cookie": "secret"})

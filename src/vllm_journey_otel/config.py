@@ -9,15 +9,12 @@ is used.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from vllm_journey_otel.log import logger
 from vllm_journey_otel.switch import ENABLE, FALSE_WORDS, TRUE_WORDS
-
-# A child of vLLM's logger, so our lines appear with vLLM's format and level.
-logger = logging.getLogger("vllm.journey_otel")
 
 QUEUE_SIZE = "VLLM_JOURNEY_OTEL_QUEUE_SIZE"
 EXPORT_INTERVAL_MS = "VLLM_JOURNEY_OTEL_EXPORT_INTERVAL_MS"
@@ -258,3 +255,157 @@ def batching_from_env(env: Mapping[str, str] | None = None) -> Batching:
     queue = int(_number(env, BSP_MAX_QUEUE_SIZE, 0, 0, 100_000_000))
     pending = queue if queue > 0 else 2 * batch
     return Batching(max_batch=min(batch, pending), delay_ms=delay, max_pending=pending)
+
+
+@dataclass(frozen=True)
+class FileSettings:
+    """The OTLP/JSON file exporter's settings (``OTEL_TRACES_EXPORTER=otlp_json_file``)."""
+
+    path: str = "vllm-journeys.otlp.jsonl"
+    max_mb: float = 100.0  # rotate when the file would pass this size
+    keep: int = 5  # rotated files kept
+
+
+def file_settings(env: Mapping[str, str] | None = None) -> FileSettings:
+    """FILE_PATH, FILE_MAX_MB, FILE_KEEP. Never raises."""
+    env = os.environ if env is None else env
+    d = FileSettings()
+    return FileSettings(
+        path=env.get(FILE_PATH, "").strip() or d.path,
+        max_mb=_number(env, FILE_MAX_MB, d.max_mb, 1, 1_000_000),
+        keep=int(_number(env, FILE_KEEP, d.keep, 0, 1000)),
+    )
+
+
+# -- the OpenTelemetry SDK's variables we read ----------------------------------
+TRACES_EXPORTER = "OTEL_TRACES_EXPORTER"
+SDK_DISABLED = "OTEL_SDK_DISABLED"
+_PROTOCOL_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+# ``otlp`` by protocol, as the SDK's auto-configuration maps it (opentelemetry-sdk 1.45).
+_OTLP_BY_PROTOCOL = {"grpc": "otlp_proto_grpc", "http/protobuf": "otlp_proto_http"}
+
+
+def sdk_disabled(env: Mapping[str, str] | None = None) -> bool:
+    """True when OTEL_SDK_DISABLED asks for no telemetry at all."""
+    env = os.environ if env is None else env
+    return env.get(SDK_DISABLED, "").strip().lower() == "true"
+
+
+def _otlp_protocol(env: Mapping[str, str]) -> str:
+    for name in _PROTOCOL_VARIABLES:
+        value = env.get(name, "").strip()
+        if value:
+            return value
+    return "grpc"
+
+
+def exporter_names(env: Mapping[str, str] | None = None) -> list[str]:
+    """Entry-point names of the span exporters asked for; ``otlp`` when unset.
+
+    Raises ValueError for an OTLP protocol that is neither ``grpc`` nor
+    ``http/protobuf`` (the SDK raises there too).
+    """
+    env = os.environ if env is None else env
+    raw = env.get(TRACES_EXPORTER, "otlp").strip() or "otlp"
+    if raw.lower() == "none":
+        return []
+    names = []
+    for part in raw.split(","):
+        name = part.strip()
+        if name == "otlp":
+            protocol = _otlp_protocol(env)
+            if protocol not in _OTLP_BY_PROTOCOL:
+                raise ValueError(
+                    f"Unsupported OTLP protocol {protocol!r}: use grpc or http/protobuf"
+                )
+            name = _OTLP_BY_PROTOCOL[protocol]
+        if name and name not in names:
+            names.append(name)
+    return names
+
+
+SAMPLER = "OTEL_TRACES_SAMPLER"
+SAMPLER_ARG = "OTEL_TRACES_SAMPLER_ARG"
+SAMPLERS = (
+    "always_on",
+    "always_off",
+    "traceidratio",
+    "parentbased_always_on",
+    "parentbased_always_off",
+    "parentbased_traceidratio",
+)
+
+
+def head_sampling(env: Mapping[str, str]) -> tuple[bool, float]:
+    """OTEL_TRACES_SAMPLER(_ARG): (parent-based, ratio). Never raises."""
+    name = env.get(SAMPLER, "parentbased_always_on").strip().lower() or "parentbased_always_on"
+    if name not in SAMPLERS:
+        logger.warning(
+            "%s=%r is not one of %s; using parentbased_always_on.",
+            SAMPLER,
+            name,
+            ", ".join(SAMPLERS),
+        )
+        name = "parentbased_always_on"
+    ratio = 1.0
+    if name.endswith("always_off"):
+        ratio = 0.0
+    elif name.endswith("traceidratio"):
+        raw = env.get(SAMPLER_ARG, "1.0")
+        try:
+            ratio = float(raw)
+        except ValueError:
+            ratio = float("nan")
+        if not 0.0 <= ratio <= 1.0:
+            logger.warning("%s=%r is not a ratio in [0, 1]; using 1.0.", SAMPLER_ARG, raw)
+            ratio = 1.0
+    return name.startswith("parentbased_"), ratio
+
+
+TAIL_REASONS = ("preempted", "error", "aborted", "slow")
+
+
+def tail_rule(env: Mapping[str, str]) -> tuple[set[str], int | None]:
+    """VLLM_JOURNEY_OTEL_TAIL(_SLOW_MS): (reasons, slow threshold in ns). Never raises."""
+    raw = env.get(TAIL)
+    reasons = set(TAIL_REASONS[:3]) if raw is None else set()
+    if raw is not None and raw.strip().lower() not in ("", "none"):
+        for part in raw.split(","):
+            p = part.strip().lower()
+            if p in TAIL_REASONS:
+                reasons.add(p)
+            elif p:
+                logger.warning("%s: %r is not one of %s; ignored.", TAIL, p, "/".join(TAIL_REASONS))
+    slow_ns = None
+    slow_raw = env.get(TAIL_SLOW_MS)
+    if slow_raw:
+        try:
+            slow_ms = float(slow_raw)
+        except ValueError:
+            slow_ms = float("nan")
+        if slow_ms > 0:
+            slow_ns = int(slow_ms * 1e6)
+            reasons.add("slow")
+        else:
+            logger.warning("%s=%r is not a positive number of ms; ignored.", TAIL_SLOW_MS, slow_raw)
+    if "slow" in reasons and slow_ns is None:
+        logger.warning("%s lists 'slow' but %s is not set; ignored.", TAIL, TAIL_SLOW_MS)
+    return reasons, slow_ns
+
+
+_ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+
+
+def endpoint_name(exporter_names: list[str], env: Mapping[str, str] | None = None) -> str:
+    """What the first exporter sends to, for log messages: the OTLP endpoint
+    variable when it is an OTLP exporter, else its name."""
+    env = os.environ if env is None else env
+    if not exporter_names:
+        return ""
+    first = exporter_names[0]
+    if first.startswith("otlp_proto"):
+        for name in _ENDPOINT_VARIABLES:
+            if env.get(name, "").strip():
+                return env[name].strip()
+        return "the default OTLP endpoint"
+    return first

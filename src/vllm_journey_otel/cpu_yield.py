@@ -40,8 +40,8 @@ from vllm_journey_otel.config import (
     EXPORTER_CPUS,
     PRIORITY_IDLE,
     PRIORITY_NORMAL,
-    logger,
 )
+from vllm_journey_otel.log import logger
 
 NICEST = 19
 # After the first placement, the exporter looks at vLLM's bindings again after

@@ -1,34 +1,101 @@
-"""Which vLLM versions we support, as data, and the check against a Scheduler class.
+"""What we patch in vLLM and which vLLM versions we support, as data.
 
-Pure: receives the version string and the class; does not import vLLM itself.
+One table, :data:`TARGETS`: every class and method the plugin wraps, the
+parameters each must accept, whether tracing can run without it (and what is
+lost then), which targets go together, and the vLLM versions where it was read
+and tested. :func:`check` decides from it whether to enable on a given vLLM;
+:func:`patchable` which targets to wrap on the classes found. Pure: receives
+the version string and the classes; does not import vLLM itself (the engine
+side's ``state.py`` does).
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-# Versions whose scheduler code was read and is tested (tests/ drive both).
+# Versions whose code was read and is tested (tests/ drive both).
 SUPPORTED_VLLM: Final = SpecifierSet(">=0.32,<0.34")
 
+# The classes we patch, by the name the table uses (engine/state.py imports them:
+# vllm.v1.core.sched.scheduler.Scheduler, vllm.v1.engine.async_llm.AsyncLLM,
+# vllm.v1.engine.output_processor.OutputProcessor, vllm.v1.engine.utils.CoreEngineProcManager).
+SCHEDULER: Final = "Scheduler"
+ASYNC_LLM: Final = "AsyncLLM"
+OUTPUT_PROCESSOR: Final = "OutputProcessor"
+PROC_MANAGER: Final = "CoreEngineProcManager"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One method we wrap."""
+
+    owner: str
+    method: str
+    # Parameter names it must accept (after self).
+    params: tuple[str, ...] = ()
+    # Without it tracing stays off.
+    required: bool = False
+    # Optional: what is lost without it, for the log (said once).
+    without: str = ""
+    # Targets of one group are wrapped together or not at all.
+    group: str = ""
+    # vLLM versions where it was read and tested as described.
+    versions: SpecifierSet = SUPPORTED_VLLM
+
+    @property
+    def name(self) -> str:
+        return f"{self.owner}.{self.method}"
+
+
+TARGETS: Final[tuple[Target, ...]] = (
+    Target(SCHEDULER, "__init__", ("vllm_config",), required=True),
+    Target(SCHEDULER, "add_request", ("request",), required=True),
+    Target(SCHEDULER, "schedule", required=True),
+    Target(
+        SCHEDULER,
+        "_preempt_request",
+        ("request",),
+        without="preemptions are read from SchedulerOutput.preempted_req_ids after each "
+        "schedule() (no progress or cause at the preemption)",
+    ),
+    Target(
+        SCHEDULER, "update_from_output", ("scheduler_output", "model_runner_output"), required=True
+    ),
+    Target(SCHEDULER, "_free_request", ("request",), required=True),
+    Target(SCHEDULER, "shutdown", required=True),
+    Target(
+        SCHEDULER,
+        "_handle_stopped_request",
+        ("request",),
+        without="a streaming-input session is one long journey, its segments not told apart",
+    ),
+    # The client's trace context without vLLM's own tracing (frontend.py).
+    Target(
+        ASYNC_LLM,
+        "add_request",
+        ("trace_headers",),
+        group="trace context",
+        without="the client's trace context reaches journeys only with --otlp-traces-endpoint",
+    ),
+    Target(OUTPUT_PROCESSOR, "add_request", ("request",), group="trace context"),
+    Target(OUTPUT_PROCESSOR, "__init__", group="trace context"),
+    Target(
+        PROC_MANAGER,
+        "shutdown",
+        ("timeout",),
+        without="no shutdown grace: with --shutdown-timeout 0 journeys of requests in "
+        "flight at shutdown are lost",
+    ),
+)
+
 # Scheduler methods we wrap -> parameter names they must accept (after self).
-REQUIRED_METHODS: Final[dict[str, tuple[str, ...]]] = {
-    "__init__": ("vllm_config",),
-    "add_request": ("request",),
-    "schedule": (),
-    "update_from_output": ("scheduler_output", "model_runner_output"),
-    "_free_request": ("request",),
-    "shutdown": (),
-}
-# Wrapped when present; without it preemptions are read from the public
-# SchedulerOutput.preempted_req_ids after each schedule() instead.
-OPTIONAL_METHODS: Final[dict[str, tuple[str, ...]]] = {
-    "_preempt_request": ("request",),
-}
+REQUIRED_METHODS: Final = {t.method: t.params for t in TARGETS if t.required}
 
 
 @dataclass(frozen=True)
@@ -40,8 +107,9 @@ class Support:
     hook_preempt: bool = True
 
 
-def _signature_ok(cls: type, name: str, params: tuple[str, ...]) -> bool:
-    fn = getattr(cls, name, None)
+def signature_ok(cls: type | None, name: str, params: tuple[str, ...]) -> bool:
+    """``cls.name`` exists, is callable and accepts ``params``."""
+    fn = getattr(cls, name, None) if cls is not None else None
     if fn is None or not callable(fn):
         return False
     try:
@@ -55,11 +123,12 @@ def _signature_ok(cls: type, name: str, params: tuple[str, ...]) -> bool:
 def check(version: str, scheduler_cls: type) -> Support:
     """Whether to enable on this vLLM: a supported version, or every hook in place."""
     missing = [
-        name
-        for name, params in REQUIRED_METHODS.items()
-        if not _signature_ok(scheduler_cls, name, params)
+        t.method
+        for t in TARGETS
+        if t.required and not signature_ok(scheduler_cls, t.method, t.params)
     ]
-    hook_preempt = all(_signature_ok(scheduler_cls, n, p) for n, p in OPTIONAL_METHODS.items())
+    preempt = next(t for t in TARGETS if t.owner == SCHEDULER and t.method == "_preempt_request")
+    hook_preempt = signature_ok(scheduler_cls, preempt.method, preempt.params)
     try:
         in_range = Version(version) in SUPPORTED_VLLM.__class__(
             str(SUPPORTED_VLLM), prereleases=True
@@ -80,3 +149,16 @@ def check(version: str, scheduler_cls: type) -> Support:
         "hooked Scheduler method is present; enabling",
         hook_preempt,
     )
+
+
+def patchable(
+    classes: Mapping[str, type | None], targets: Sequence[Target] | None = None
+) -> tuple[list[Target], list[Target]]:
+    """The targets to wrap on ``classes`` (owner name -> class, None when vLLM
+    has no such class), and those left out: missing, with another signature, or
+    in a group of which one is. ``targets``: :data:`TARGETS`."""
+    targets = TARGETS if targets is None else targets
+    ok = {t: signature_ok(classes.get(t.owner), t.method, t.params) for t in targets}
+    broken_groups = {t.group for t in targets if t.group and not ok[t]}
+    wrap = [t for t in targets if ok[t] and t.group not in broken_groups]
+    return wrap, [t for t in targets if t not in wrap]

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
 
-from vllm_journey_otel.config import logger
 from vllm_journey_otel.engine.state import _STATE, _fail
+from vllm_journey_otel.log import logger
 
 # The client's W3C headers of the add_request call in progress (per asyncio task).
 _TRACE_HEADERS: ContextVar[dict[str, str] | None] = ContextVar("vjo_trace_headers", default=None)

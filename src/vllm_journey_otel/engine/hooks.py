@@ -11,15 +11,21 @@ timestamps.
 from __future__ import annotations
 
 import functools
-import inspect
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from opentelemetry.sdk.trace.export import SpanExporter
 
-from vllm_journey_otel.config import ALL_VARIABLES, Config, logger
-from vllm_journey_otel.engine.compat import check
+from vllm_journey_otel.config import ALL_VARIABLES, Config, sdk_disabled
+from vllm_journey_otel.engine.compat import (
+    ASYNC_LLM,
+    OUTPUT_PROCESSOR,
+    PROC_MANAGER,
+    SCHEDULER,
+    check,
+    patchable,
+)
 from vllm_journey_otel.engine.frontend import (
     _wrap_async_add_request,
     _wrap_output_add_request,
@@ -52,7 +58,6 @@ from vllm_journey_otel.engine.tracker import (
     _STATUS_WAITS,
     SchedulerTracker,
 )
-from vllm_journey_otel.export.exporters import sdk_disabled
 from vllm_journey_otel.journey import (
     STATUS_ABORTED,
     STATUS_ERROR,
@@ -60,6 +65,7 @@ from vllm_journey_otel.journey import (
     STATUS_LENGTH,
     STATUS_STOPPED,
 )
+from vllm_journey_otel.log import logger
 
 __all__ = [
     "JOURNEY_ATTR",
@@ -79,16 +85,20 @@ __all__ = [
     "unwrap",
 ]
 
-_WRAPPERS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
-    "__init__": _wrap_init,
-    "add_request": _wrap_add_request,
-    "schedule": _wrap_schedule,
-    "_preempt_request": _wrap_preempt,
-    "update_from_output": _wrap_update,
-    "_free_request": _wrap_free,
-    "shutdown": _wrap_shutdown,
-    # Optional (streaming-input sessions); absent: a session is one long journey.
-    "_handle_stopped_request": _wrap_stopped,
+# The wrapper of each target of compat.TARGETS.
+WRAPPERS: dict[tuple[str, str], Callable[[Callable[..., Any]], Callable[..., Any]]] = {
+    (SCHEDULER, "__init__"): _wrap_init,
+    (SCHEDULER, "add_request"): _wrap_add_request,
+    (SCHEDULER, "schedule"): _wrap_schedule,
+    (SCHEDULER, "_preempt_request"): _wrap_preempt,
+    (SCHEDULER, "update_from_output"): _wrap_update,
+    (SCHEDULER, "_free_request"): _wrap_free,
+    (SCHEDULER, "shutdown"): _wrap_shutdown,
+    (SCHEDULER, "_handle_stopped_request"): _wrap_stopped,
+    (ASYNC_LLM, "add_request"): _wrap_async_add_request,
+    (OUTPUT_PROCESSOR, "add_request"): _wrap_output_add_request,
+    (OUTPUT_PROCESSOR, "__init__"): _wrap_output_init,
+    (PROC_MANAGER, "shutdown"): _wrap_proc_shutdown,
 }
 
 
@@ -165,31 +175,7 @@ def install(
             _STATE.head = head if head is not None else HeadSampler.from_env(os.environ)
             _STATE.tail = tail if tail is not None else TailRule.from_env(os.environ)
             if not _STATE.installed:
-                for name, make in _WRAPPERS.items():
-                    if name == "_preempt_request" and not support.hook_preempt:
-                        continue
-                    if name == "_handle_stopped_request" and not _signature_has(
-                        scheduler_cls, name, "request"
-                    ):
-                        continue
-                    _patch(scheduler_cls, name, make)
-                async_llm, output_processor = _frontend_classes()
-                if _signature_has(async_llm, "add_request", "trace_headers") and _signature_has(
-                    output_processor, "add_request", "request"
-                ):
-                    assert async_llm is not None and output_processor is not None
-                    _patch(async_llm, "add_request", _wrap_async_add_request)
-                    _patch(output_processor, "add_request", _wrap_output_add_request)
-                    _patch(output_processor, "__init__", _wrap_output_init)
-                else:
-                    logger.info(
-                        "journey-otel: AsyncLLM.add_request not as expected; the client's "
-                        "trace context reaches journeys only with --otlp-traces-endpoint"
-                    )
-                manager = _engine_proc_manager()
-                if _signature_has(manager, "shutdown", "timeout"):
-                    assert manager is not None
-                    _patch(manager, "shutdown", _wrap_proc_shutdown)
+                _wrap_targets(scheduler_cls)
                 _STATE.installed = True
             _STATE.failed = False
             _STATE.enabled = True
@@ -200,19 +186,37 @@ def install(
         return False
 
 
+def _wrap_targets(scheduler_cls: type) -> None:
+    """Wrap every target of compat.TARGETS that this vLLM has as expected; say
+    once what each optional one left out costs."""
+    async_llm, output_processor = _frontend_classes()
+    classes = {
+        SCHEDULER: scheduler_cls,
+        ASYNC_LLM: async_llm,
+        OUTPUT_PROCESSOR: output_processor,
+        PROC_MANAGER: _engine_proc_manager(),
+    }
+    wrap, left_out = patchable(classes)
+    for target in wrap:
+        cls = classes[target.owner]
+        assert cls is not None
+        _patch(cls, target.method, WRAPPERS[(target.owner, target.method)])
+    said: set[str] = set()
+    for target in left_out:
+        key = target.group or target.name
+        members = [t for t in left_out if (t.group or t.name) == key]
+        without = next((t.without for t in members if t.without), "")
+        if without and key not in said:
+            said.add(key)
+            names = ", ".join(t.name for t in members)
+            logger.info("journey-otel: %s not as expected (left out); %s", names, without)
+
+
 def _patch(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
     own = name in cls.__dict__
     orig = getattr(cls, name)
     _STATE.originals[(cls, name)] = (orig, own)
     setattr(cls, name, make(orig))
-
-
-def _signature_has(cls: type | None, name: str, param: str) -> bool:
-    fn = getattr(cls, name, None) if cls is not None else None
-    try:
-        return fn is not None and param in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def unwrap() -> None:

@@ -26,9 +26,10 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
-from vllm_journey_otel.config import Config, logger
+from vllm_journey_otel.config import Config
 from vllm_journey_otel.cpu_yield import lower_priority
 from vllm_journey_otel.journey import Record
+from vllm_journey_otel.log import logger
 
 
 class Sink(Protocol):
@@ -86,8 +87,8 @@ class JourneyPipeline:
     def __init__(
         self,
         sink: Sink,
-        max_queue: int = 16384,
-        interval_s: float = 0.05,
+        max_queue: int = Config.queue_size,
+        interval_s: float = Config.export_interval_ms / 1000.0,
         start_thread: bool = True,
         cpu_priority: str = Config.cpu_priority,
     ) -> None:

@@ -26,24 +26,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from vllm_journey_otel.config import TAIL, TAIL_SLOW_MS, logger
+from vllm_journey_otel.config import head_sampling, tail_rule
 from vllm_journey_otel.journey import RootIds
 from vllm_journey_otel.rng import RNG
 
-SAMPLER = "OTEL_TRACES_SAMPLER"
-SAMPLER_ARG = "OTEL_TRACES_SAMPLER_ARG"
-
-TAIL_REASONS = ("preempted", "error", "aborted", "slow")
 # TraceIdRatioBased (opentelemetry-sdk 1.x) samples when trace_id & LIMIT < bound.
 TRACE_ID_LIMIT = (1 << 64) - 1
-_SAMPLERS = (
-    "always_on",
-    "always_off",
-    "traceidratio",
-    "parentbased_always_on",
-    "parentbased_always_off",
-    "parentbased_traceidratio",
-)
 
 
 @dataclass(frozen=True)
@@ -87,28 +75,8 @@ class HeadSampler:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> HeadSampler:
-        name = env.get(SAMPLER, "parentbased_always_on").strip().lower() or "parentbased_always_on"
-        if name not in _SAMPLERS:
-            logger.warning(
-                "%s=%r is not one of %s; using parentbased_always_on.",
-                SAMPLER,
-                name,
-                ", ".join(_SAMPLERS),
-            )
-            name = "parentbased_always_on"
-        ratio = 1.0
-        if name.endswith("always_off"):
-            ratio = 0.0
-        elif name.endswith("traceidratio"):
-            raw = env.get(SAMPLER_ARG, "1.0")
-            try:
-                ratio = float(raw)
-            except ValueError:
-                ratio = float("nan")
-            if not 0.0 <= ratio <= 1.0:
-                logger.warning("%s=%r is not a ratio in [0, 1]; using 1.0.", SAMPLER_ARG, raw)
-                ratio = 1.0
-        return cls(parent_based=name.startswith("parentbased_"), ratio=ratio)
+        parent_based, ratio = head_sampling(env)
+        return cls(parent_based=parent_based, ratio=ratio)
 
 
 @dataclass(frozen=True)
@@ -135,33 +103,7 @@ class TailRule:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> TailRule:
-        raw = env.get(TAIL)
-        reasons = set(TAIL_REASONS[:3]) if raw is None else set()
-        if raw is not None and raw.strip().lower() not in ("", "none"):
-            for part in raw.split(","):
-                p = part.strip().lower()
-                if p in TAIL_REASONS:
-                    reasons.add(p)
-                elif p:
-                    logger.warning(
-                        "%s: %r is not one of %s; ignored.", TAIL, p, "/".join(TAIL_REASONS)
-                    )
-        slow_ns = None
-        slow_raw = env.get(TAIL_SLOW_MS)
-        if slow_raw:
-            try:
-                slow_ms = float(slow_raw)
-            except ValueError:
-                slow_ms = float("nan")
-            if slow_ms > 0:
-                slow_ns = int(slow_ms * 1e6)
-                reasons.add("slow")
-            else:
-                logger.warning(
-                    "%s=%r is not a positive number of ms; ignored.", TAIL_SLOW_MS, slow_raw
-                )
-        if "slow" in reasons and slow_ns is None:
-            logger.warning("%s lists 'slow' but %s is not set; ignored.", TAIL, TAIL_SLOW_MS)
+        reasons, slow_ns = tail_rule(env)
         return cls(
             preempted="preempted" in reasons,
             error="error" in reasons,

@@ -13,10 +13,10 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from vllm_journey_otel.config import logger
 from vllm_journey_otel.engine.handoff import _pipeline_for, flush
 from vllm_journey_otel.engine.state import _STATE, TRACKER_ATTR, _fail
 from vllm_journey_otel.engine.tracker import SchedulerTracker, _now
+from vllm_journey_otel.log import logger
 
 
 def _tracker(scheduler: Any) -> SchedulerTracker | None:

@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry.sdk.trace.export import SpanExporter
 
-from vllm_journey_otel.config import Config, logger
+from vllm_journey_otel.config import Config
 from vllm_journey_otel.engine.compat import Support
 from vllm_journey_otel.engine.pipeline import JourneyPipeline
 from vllm_journey_otel.engine.sampling import HeadSampler, TailRule
+from vllm_journey_otel.log import logger
 
 if TYPE_CHECKING:  # the tracker imports this module
     from vllm_journey_otel.engine.tracker import SchedulerTracker

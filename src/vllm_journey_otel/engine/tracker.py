@@ -18,16 +18,9 @@ from typing import Any
 
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.engine.pipeline import JourneyPipeline
+from vllm_journey_otel.engine.request_journey import PREEMPTED, RUNNING, RequestJourney
 from vllm_journey_otel.engine.state import _STATE, JOURNEY_ATTR
-from vllm_journey_otel.journey import (
-    PREEMPTED,
-    RUNNING,
-    STATUS_ABORTED,
-    STATUS_ERROR,
-    LinkTarget,
-    RequestJourney,
-    StepRecord,
-)
+from vllm_journey_otel.journey import STATUS_ABORTED, STATUS_ERROR, LinkTarget, StepRecord
 from vllm_journey_otel.rng import RNG
 
 _now = time.monotonic_ns

@@ -36,8 +36,8 @@ from collections.abc import Callable, Sequence
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from vllm_journey_otel.config import logger
 from vllm_journey_otel.export.health import ExportHealth
+from vllm_journey_otel.log import logger
 
 
 class ExportStage:

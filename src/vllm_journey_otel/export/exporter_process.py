@@ -32,10 +32,11 @@ import signal
 import sys
 from typing import Any
 
-from vllm_journey_otel.config import from_env, logger
+from vllm_journey_otel.config import from_env
 from vllm_journey_otel.cpu_yield import ExporterPlacement
 from vllm_journey_otel.export.health import ExportHealth, SdkLogQuieter
 from vllm_journey_otel.export.span_sink import SpanSink
+from vllm_journey_otel.log import logger
 from vllm_journey_otel.wire import READ_PACE_S, FrameReader
 
 # The exporter is not bound by vLLM's kill deadline; give the final export time.

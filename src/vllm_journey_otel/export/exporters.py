@@ -27,57 +27,14 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.util.types import AttributeValue
 
 from vllm_journey_otel import schema as S
+from vllm_journey_otel.config import TRACES_EXPORTER, exporter_names
 
-TRACES_EXPORTER = "OTEL_TRACES_EXPORTER"
 ENTRY_POINT_GROUP = "opentelemetry_traces_exporter"
-_PROTOCOL_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
-# ``otlp`` by protocol, as the SDK's auto-configuration maps it (opentelemetry-sdk 1.45).
-_OTLP_BY_PROTOCOL = {"grpc": "otlp_proto_grpc", "http/protobuf": "otlp_proto_http"}
 LINK_COUNT_LIMIT = "OTEL_SPAN_LINK_COUNT_LIMIT"
 # A vllm.step span links every traced journey of its batch: the SDK's default
 # limit (128 links) is below vLLM's usual max_num_seqs, so ours is this, unless
 # the user set OTEL_SPAN_LINK_COUNT_LIMIT. Journey spans carry at most one link.
 MAX_LINKS = 16384
-SDK_DISABLED = "OTEL_SDK_DISABLED"
-
-
-def sdk_disabled(env: Mapping[str, str] | None = None) -> bool:
-    """True when OTEL_SDK_DISABLED asks for no telemetry at all."""
-    env = os.environ if env is None else env
-    return env.get(SDK_DISABLED, "").strip().lower() == "true"
-
-
-def _otlp_protocol(env: Mapping[str, str]) -> str:
-    for name in _PROTOCOL_VARIABLES:
-        value = env.get(name, "").strip()
-        if value:
-            return value
-    return "grpc"
-
-
-def exporter_names(env: Mapping[str, str] | None = None) -> list[str]:
-    """Entry-point names of the span exporters asked for; ``otlp`` when unset.
-
-    Raises ValueError for an OTLP protocol that is neither ``grpc`` nor
-    ``http/protobuf`` (the SDK raises there too).
-    """
-    env = os.environ if env is None else env
-    raw = env.get(TRACES_EXPORTER, "otlp").strip() or "otlp"
-    if raw.lower() == "none":
-        return []
-    names = []
-    for part in raw.split(","):
-        name = part.strip()
-        if name == "otlp":
-            protocol = _otlp_protocol(env)
-            if protocol not in _OTLP_BY_PROTOCOL:
-                raise ValueError(
-                    f"Unsupported OTLP protocol {protocol!r}: use grpc or http/protobuf"
-                )
-            name = _OTLP_BY_PROTOCOL[protocol]
-        if name and name not in names:
-            names.append(name)
-    return names
 
 
 def build_exporters(env: Mapping[str, str] | None = None) -> list[SpanExporter]:

@@ -24,10 +24,11 @@ from pathlib import Path
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from vllm_journey_otel.config import FILE_KEEP, FILE_MAX_MB, FILE_PATH, _number, logger
+from vllm_journey_otel.config import FileSettings, file_settings
 from vllm_journey_otel.export.otlp_json import spans_to_json
+from vllm_journey_otel.log import logger
 
-DEFAULT_PATH = "vllm-journeys.otlp.jsonl"
+DEFAULT_PATH = FileSettings.path
 
 
 class OtlpJsonFileExporter(SpanExporter):
@@ -40,14 +41,10 @@ class OtlpJsonFileExporter(SpanExporter):
         keep: int | None = None,
         env: Mapping[str, str] | None = None,
     ) -> None:
-        env = os.environ if env is None else env
-        self.path = Path(path if path is not None else env.get(FILE_PATH) or DEFAULT_PATH)
-        self.max_bytes = (
-            max_bytes
-            if max_bytes is not None
-            else int(_number(env, FILE_MAX_MB, 100, 1, 1_000_000) * 1024 * 1024)
-        )
-        self.keep = keep if keep is not None else int(_number(env, FILE_KEEP, 5, 0, 1000))
+        settings = file_settings(env)
+        self.path = Path(path if path is not None else settings.path)
+        self.max_bytes = max_bytes if max_bytes is not None else int(settings.max_mb * 1024 * 1024)
+        self.keep = keep if keep is not None else settings.keep
         self._lock = threading.Lock()
         self._stopped = False
         self.path.parent.mkdir(parents=True, exist_ok=True)

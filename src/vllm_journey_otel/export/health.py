@@ -22,11 +22,9 @@ lasts, and once that it works again.
 from __future__ import annotations
 
 import logging
-import os
 import time
-from collections.abc import Mapping
 
-from vllm_journey_otel.config import logger
+from vllm_journey_otel.log import logger
 
 # Loggers of the SDK's OTLP exporters and of its batch processor (SDK 1.3x-1.4x).
 SDK_LOGGERS = (
@@ -176,21 +174,3 @@ class SdkLogQuieter(logging.Filter):
     def uninstall(self) -> None:
         for name in (*SDK_LOGGERS, *INPUT_LOGGERS):
             logging.getLogger(name).removeFilter(self)
-
-
-_ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
-
-
-def endpoint_name(exporter_names: list[str], env: Mapping[str, str] | None = None) -> str:
-    """What the first exporter sends to, for log messages: the OTLP endpoint
-    variable when it is an OTLP exporter, else its name."""
-    env = os.environ if env is None else env
-    if not exporter_names:
-        return ""
-    first = exporter_names[0]
-    if first.startswith("otlp_proto"):
-        for name in _ENDPOINT_VARIABLES:
-            if env.get(name, "").strip():
-                return env[name].strip()
-        return "the default OTLP endpoint"
-    return first

@@ -17,19 +17,25 @@ from opentelemetry.sdk.trace.export import SpanExporter
 
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.clock import ClockAnchor
-from vllm_journey_otel.config import EXPORT_MODE, QUEUE_SIZE, batching_from_env, logger
+from vllm_journey_otel.config import (
+    EXPORT_MODE,
+    QUEUE_SIZE,
+    TRACES_EXPORTER,
+    batching_from_env,
+    endpoint_name,
+    exporter_names,
+)
 from vllm_journey_otel.export.export_stage import ExportStage
 from vllm_journey_otel.export.exporters import (
-    TRACES_EXPORTER,
     build_exporters,
-    exporter_names,
     make_resource,
     span_limits,
 )
-from vllm_journey_otel.export.health import ExportHealth, endpoint_name
+from vllm_journey_otel.export.health import ExportHealth
 from vllm_journey_otel.export.span_builder import SpanBuilder
 from vllm_journey_otel.export.spans import ROOT, plan_spans, plan_step, root_context
 from vllm_journey_otel.journey import Record, StepRecord
+from vllm_journey_otel.log import logger
 
 
 class SpanSink:

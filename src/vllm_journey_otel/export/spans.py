@@ -17,7 +17,9 @@ outside its parent.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -113,178 +115,204 @@ def plan_spans(j: FinishedJourney, offset_ns: int, uncertainty_ns: int = 0) -> l
     order, without overlap; prefill and decode are children of their scheduled
     span and tile it; every span lies within its parent.
     """
-    admit_u = j.admitted.t_mono_ns + offset_ns
-    end_u = j.end.t_mono_ns + offset_ns
-    root_start = admit_u
-    if j.arrival_time_s > 0:
-        root_start = min(root_start, int(j.arrival_time_s * 1e9))
-    root_end = max(end_u, root_start)
+    planner = _Planner(j, offset_ns)
+    for ev in j.events:
+        planner.on(ev)
+    return planner.finish(uncertainty_ns)
 
-    def at_mono(t_mono_ns: int) -> int:
-        u = t_mono_ns + offset_ns
-        return root_start if u < root_start else root_end if u > root_end else u
 
-    def at(s: Snapshot) -> int:
-        return at_mono(s.t_mono_ns)
+class _Planner:
+    """One journey's plan, built event by event (one method per event kind).
 
-    plan: list[PlannedSpan] = []
-    root = PlannedSpan(S.SPAN_REQUEST, root_start, root_end, None, kind=SpanKind.SERVER)
-    plan.append(root)
+    The open spans are plan indexes: the cycle (``vllm.scheduled``), its phase
+    (prefill or decode), the preemption, the queue span that waits hang under
+    (``vllm.queued``, then each ``vllm.preempted``) and its open wait.
+    """
 
-    first_sched = next((e for e in j.events if isinstance(e, Scheduled)), None)
-    queued_end = first_sched.at if first_sched is not None else j.end
-    plan.append(
-        PlannedSpan(S.SPAN_QUEUED, at(j.admitted), at(queued_end), ROOT, _progress(queued_end, j))
-    )
+    def __init__(self, j: FinishedJourney, offset_ns: int) -> None:
+        self.j = j
+        self.offset_ns = offset_ns
+        admit_u = j.admitted.t_mono_ns + offset_ns
+        start = admit_u
+        if j.arrival_time_s > 0:
+            start = min(start, int(j.arrival_time_s * 1e9))
+        self.root_start = start
+        self.root_end = max(j.end.t_mono_ns + offset_ns, start)
+        self.first_sched = next((e for e in j.events if isinstance(e, Scheduled)), None)
+        queued_end = self.first_sched.at if self.first_sched is not None else j.end
+        root = PlannedSpan(S.SPAN_REQUEST, start, self.root_end, None, kind=SpanKind.SERVER)
+        queued = PlannedSpan(
+            S.SPAN_QUEUED, self.at(j.admitted), self.at(queued_end), ROOT, _progress(queued_end, j)
+        )
+        self.plan = [root, queued]
+        self.cycle = -1
+        self.cycle_idx: int | None = None
+        self.phase_idx: int | None = None
+        self.preempt_idx: int | None = None
+        self.queue_idx: int | None = 1
+        self.wait_idx: int | None = None
+        self.decode_drafts = (0, 0)  # draft totals when the open decode span started
+        self.segment = 0  # streaming-input sessions: the current input segment
+        if j.session:
+            queued.attributes[S.SEGMENT] = 0
 
-    cycle = -1
-    cycle_idx: int | None = None  # plan index of the open vllm.scheduled span
-    phase_idx: int | None = None  # plan index of the open prefill/decode span
-    preempt_idx: int | None = None  # plan index of the open vllm.preempted span
-    # The open queue span (vllm.queued, then each vllm.preempted) and its open wait.
-    queue_idx: int | None = 1
-    wait_idx: int | None = None
-    # Draft totals when the open decode span started.
-    decode_drafts = (0, 0)
-    # Streaming-input sessions: the current input segment.
-    segment = 0
-    if j.session:
-        plan[1].attributes[S.SEGMENT] = 0
+    # -- times and spans ------------------------------------------------------
+    def at_mono(self, t_mono_ns: int) -> int:
+        """An engine stamp in epoch ns, clamped into the root."""
+        u = t_mono_ns + self.offset_ns
+        return self.root_start if u < self.root_start else min(u, self.root_end)
 
-    def end_wait(u: int) -> None:
-        nonlocal wait_idx
-        if wait_idx is not None:
-            span = plan[wait_idx]
-            span.end_unix_ns = max(span.start_unix_ns, u)
-            wait_idx = None
+    def at(self, s: Snapshot) -> int:
+        return self.at_mono(s.t_mono_ns)
 
-    def close_decode(s: Snapshot, proposed: int, accepted: int) -> None:
-        extra: dict[str, AttributeValue] = {}
-        if j.spec_decode:
-            _drafts(extra, proposed - decode_drafts[0], accepted - decode_drafts[1])
-        close(phase_idx, s, extra)
+    def open(self, span: PlannedSpan) -> int:
+        self.plan.append(span)
+        return len(self.plan) - 1
 
-    def close(idx: int | None, s: Snapshot, extra: dict[str, AttributeValue] | None = None) -> None:
+    def close(
+        self, idx: int | None, s: Snapshot, extra: dict[str, AttributeValue] | None = None
+    ) -> None:
         if idx is None:
             return
-        span = plan[idx]
-        span.end_unix_ns = max(span.start_unix_ns, at(s))
-        span.attributes.update(_progress(s, j))
+        span = self.plan[idx]
+        span.end_unix_ns = max(span.start_unix_ns, self.at(s))
+        span.attributes.update(_progress(s, self.j))
         if extra:
             span.attributes.update(extra)
 
-    for ev in j.events:
-        if isinstance(ev, KvLoaded):
-            span = plan[wait_idx] if wait_idx is not None else None
-            if span is not None and span.attributes[S.WAIT_REASON] == S.WAIT_REMOTE_KV:
-                ms = (at_mono(ev.t_mono_ns) - span.start_unix_ns) / 1e6
-                span.attributes[S.KV_TRANSFER_MS] = max(ms, 0.0)
-                if ev.tokens >= 0:
-                    span.attributes[S.KV_TRANSFER_TOKENS] = ev.tokens
-                if ev.failed >= 0:
-                    span.attributes[S.KV_TRANSFER_FAILED] = ev.failed > 0
-            continue
-        if isinstance(ev, WaitBegan | WaitEnded):
-            u = at_mono(ev.t_mono_ns)
-            end_wait(u)
-            if isinstance(ev, WaitBegan) and queue_idx is not None:
-                reason = S.WAIT_REASONS[ev.reason]
-                plan.append(PlannedSpan(S.SPAN_WAIT, u, u, queue_idx, {S.WAIT_REASON: reason}))
-                wait_idx = len(plan) - 1
-            continue
-        t = at(ev.at)
-        if isinstance(ev, Scheduled):
-            end_wait(t)
-            queue_idx = None
-            # A resume; the first cycle; or the first cycle of a session's next input.
-            kind = (
-                S.SCHEDULE_RESUME
-                if ev.resume
-                else S.SCHEDULE_NEXT_INPUT
-                if cycle >= 0
-                else S.SCHEDULE_FIRST
-            )
-            close(preempt_idx, ev.at)
-            preempt_idx = None
-            cycle += 1
-            plan.append(
-                PlannedSpan(
-                    S.SPAN_SCHEDULED,
-                    t,
-                    t,
-                    ROOT,
-                    {S.SCHEDULE_KIND: kind, S.CYCLE: cycle},
-                )
-            )
-            cycle_idx = len(plan) - 1
-            if j.session:
-                plan[cycle_idx].attributes[S.SEGMENT] = segment
-            if j.lora_name:
-                plan[cycle_idx].attributes[S.LORA_NAME] = j.lora_name
-            plan.append(
-                PlannedSpan(S.SPAN_PREFILL, t, t, cycle_idx, {S.CACHED_TOKENS: ev.cached_tokens})
-            )
-            phase_idx = len(plan) - 1
-        elif isinstance(ev, FirstToken):
-            if cycle_idx is None or phase_idx is None or plan[phase_idx].name != S.SPAN_PREFILL:
-                continue
-            close(phase_idx, ev.at, {S.PREFILL_CHUNKS: ev.prefill_chunks})
-            plan.append(PlannedSpan(S.SPAN_DECODE, t, t, cycle_idx))
-            phase_idx = len(plan) - 1
-            decode_drafts = (ev.drafts_proposed, ev.drafts_accepted)
-        elif isinstance(ev, SegmentEnded):
-            if cycle_idx is None:
-                continue
-            if phase_idx is not None and plan[phase_idx].name == S.SPAN_PREFILL:
-                close(phase_idx, ev.at, {S.PREFILL_CHUNKS: ev.prefill_chunks})
-            else:
-                close_decode(ev.at, ev.drafts_proposed, ev.drafts_accepted)
-            close(cycle_idx, ev.at)
-            cycle_idx = phase_idx = None
-            # Back in the queue for the next input segment.
-            segment += 1
-            plan.append(PlannedSpan(S.SPAN_QUEUED, t, t, ROOT, {S.SEGMENT: segment}))
-            preempt_idx = queue_idx = len(plan) - 1
-        elif isinstance(ev, Preempted):
-            if cycle_idx is None:
-                continue
-            if phase_idx is not None and plan[phase_idx].name == S.SPAN_PREFILL:
-                close(phase_idx, ev.at, {S.PREFILL_CHUNKS: ev.prefill_chunks})
-            else:
-                close_decode(ev.at, ev.drafts_proposed, ev.drafts_accepted)
-            close(cycle_idx, ev.at)
-            cycle_idx = phase_idx = None
-            observed = (
-                (S.KV_CACHE_USAGE, ev.kv_cache_usage),
-                (S.NUM_RUNNING, ev.num_running),
-                (S.NUM_WAITING, ev.num_waiting),
-                (S.PREEMPTED_BY, ev.cause_id),
-            )
-            plan.append(
-                PlannedSpan(
-                    S.SPAN_PREEMPTED,
-                    t,
-                    t,
-                    ROOT,
-                    {k: v for k, v in observed if v is not None},
-                    links=[link_to(ev.cause_link)] if ev.cause_link is not None else [],
-                )
-            )
-            preempt_idx = queue_idx = len(plan) - 1
+    def end_wait(self, u: int) -> None:
+        if self.wait_idx is not None:
+            span = self.plan[self.wait_idx]
+            span.end_unix_ns = max(span.start_unix_ns, u)
+            self.wait_idx = None
 
-    # The end closes whatever is open.
-    end_wait(at(j.end))
-    if phase_idx is not None and plan[phase_idx].name == S.SPAN_PREFILL:
-        close(phase_idx, j.end, {S.PREFILL_CHUNKS: j.end_prefill_chunks})
-    else:
-        close_decode(j.end, j.drafts_proposed, j.drafts_accepted)
-    close(cycle_idx, j.end)
-    close(preempt_idx, j.end)
+    def close_cycle(self, s: Snapshot, prefill_chunks: int, proposed: int, accepted: int) -> None:
+        """The cycle ends (preemption, segment end, the journey's end): its
+        phase (prefill, with its chunks, or decode, with its drafts), then itself."""
+        phase = self.phase_idx
+        if phase is not None and self.plan[phase].name == S.SPAN_PREFILL:
+            self.close(phase, s, {S.PREFILL_CHUNKS: prefill_chunks})
+        else:
+            extra: dict[str, AttributeValue] = {}
+            if self.j.spec_decode:
+                _drafts(extra, proposed - self.decode_drafts[0], accepted - self.decode_drafts[1])
+            self.close(phase, s, extra)
+        self.close(self.cycle_idx, s)
+        self.cycle_idx = self.phase_idx = None
 
-    root.attributes = _root_attributes(j, first_sched, root_start, offset_ns, uncertainty_ns)
-    root.error = j.status == _STATUS_ERROR
-    root.ids = j.root_ids
-    return plan
+    # -- events -----------------------------------------------------------------
+    def on(self, ev: object) -> None:
+        handler = _HANDLERS.get(type(ev))
+        if handler is not None:
+            handler(self, ev)
+
+    def on_kv_loaded(self, ev: KvLoaded) -> None:
+        span = self.plan[self.wait_idx] if self.wait_idx is not None else None
+        if span is None or span.attributes[S.WAIT_REASON] != S.WAIT_REMOTE_KV:
+            return
+        ms = (self.at_mono(ev.t_mono_ns) - span.start_unix_ns) / 1e6
+        span.attributes[S.KV_TRANSFER_MS] = max(ms, 0.0)
+        if ev.tokens >= 0:
+            span.attributes[S.KV_TRANSFER_TOKENS] = ev.tokens
+        if ev.failed >= 0:
+            span.attributes[S.KV_TRANSFER_FAILED] = ev.failed > 0
+
+    def on_wait(self, ev: WaitBegan | WaitEnded) -> None:
+        u = self.at_mono(ev.t_mono_ns)
+        self.end_wait(u)
+        if isinstance(ev, WaitBegan) and self.queue_idx is not None:
+            reason = S.WAIT_REASONS[ev.reason]
+            self.wait_idx = self.open(
+                PlannedSpan(S.SPAN_WAIT, u, u, self.queue_idx, {S.WAIT_REASON: reason})
+            )
+
+    def on_scheduled(self, ev: Scheduled) -> None:
+        t = self.at(ev.at)
+        self.end_wait(t)
+        self.queue_idx = None
+        # A resume; the first cycle; or the first cycle of a session's next input.
+        if ev.resume:
+            kind = S.SCHEDULE_RESUME
+        else:
+            kind = S.SCHEDULE_NEXT_INPUT if self.cycle >= 0 else S.SCHEDULE_FIRST
+        self.close(self.preempt_idx, ev.at)
+        self.preempt_idx = None
+        self.cycle += 1
+        attrs: dict[str, AttributeValue] = {S.SCHEDULE_KIND: kind, S.CYCLE: self.cycle}
+        if self.j.session:
+            attrs[S.SEGMENT] = self.segment
+        if self.j.lora_name:
+            attrs[S.LORA_NAME] = self.j.lora_name
+        self.cycle_idx = self.open(PlannedSpan(S.SPAN_SCHEDULED, t, t, ROOT, attrs))
+        self.phase_idx = self.open(
+            PlannedSpan(S.SPAN_PREFILL, t, t, self.cycle_idx, {S.CACHED_TOKENS: ev.cached_tokens})
+        )
+
+    def on_first_token(self, ev: FirstToken) -> None:
+        phase = self.phase_idx
+        if self.cycle_idx is None or phase is None or self.plan[phase].name != S.SPAN_PREFILL:
+            return
+        t = self.at(ev.at)
+        self.close(phase, ev.at, {S.PREFILL_CHUNKS: ev.prefill_chunks})
+        self.phase_idx = self.open(PlannedSpan(S.SPAN_DECODE, t, t, self.cycle_idx))
+        self.decode_drafts = (ev.drafts_proposed, ev.drafts_accepted)
+
+    def on_segment_ended(self, ev: SegmentEnded) -> None:
+        if self.cycle_idx is None:
+            return
+        self.close_cycle(ev.at, ev.prefill_chunks, ev.drafts_proposed, ev.drafts_accepted)
+        # Back in the queue for the next input segment.
+        self.segment += 1
+        t = self.at(ev.at)
+        queued = PlannedSpan(S.SPAN_QUEUED, t, t, ROOT, {S.SEGMENT: self.segment})
+        self.preempt_idx = self.queue_idx = self.open(queued)
+
+    def on_preempted(self, ev: Preempted) -> None:
+        if self.cycle_idx is None:
+            return
+        self.close_cycle(ev.at, ev.prefill_chunks, ev.drafts_proposed, ev.drafts_accepted)
+        observed = (
+            (S.KV_CACHE_USAGE, ev.kv_cache_usage),
+            (S.NUM_RUNNING, ev.num_running),
+            (S.NUM_WAITING, ev.num_waiting),
+            (S.PREEMPTED_BY, ev.cause_id),
+        )
+        t = self.at(ev.at)
+        preempted = PlannedSpan(
+            S.SPAN_PREEMPTED,
+            t,
+            t,
+            ROOT,
+            {k: v for k, v in observed if v is not None},
+            links=[link_to(ev.cause_link)] if ev.cause_link is not None else [],
+        )
+        self.preempt_idx = self.queue_idx = self.open(preempted)
+
+    # -- the end ------------------------------------------------------------------
+    def finish(self, uncertainty_ns: int) -> list[PlannedSpan]:
+        """The end closes whatever is open; the root gets its attributes."""
+        j = self.j
+        self.end_wait(self.at(j.end))
+        self.close_cycle(j.end, j.end_prefill_chunks, j.drafts_proposed, j.drafts_accepted)
+        self.close(self.preempt_idx, j.end)
+        root = self.plan[ROOT]
+        root.attributes = _root_attributes(
+            j, self.first_sched, self.root_start, self.offset_ns, uncertainty_ns
+        )
+        root.error = j.status == _STATUS_ERROR
+        root.ids = j.root_ids
+        return self.plan
+
+
+_HANDLERS: dict[type, Callable[[_Planner, Any], None]] = {
+    KvLoaded: _Planner.on_kv_loaded,
+    WaitBegan: _Planner.on_wait,
+    WaitEnded: _Planner.on_wait,
+    Scheduled: _Planner.on_scheduled,
+    FirstToken: _Planner.on_first_token,
+    SegmentEnded: _Planner.on_segment_ended,
+    Preempted: _Planner.on_preempted,
+}
 
 
 _STATUS_ERROR = S.FINISH_STATUSES.index(S.FINISH_ERROR)

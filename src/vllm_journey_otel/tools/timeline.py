@@ -117,7 +117,12 @@ def render(rows: list[_Row], total: int, title: str = "vLLM request journeys") -
         .replace("__SHOWN__", str(len(rows)))
         .replace("__TOTAL__", str(total))
         .replace("__DATA__", payload)
+        .replace("__KEYS__", _KEYS)
     )
+
+
+# What the page's script reads from a root's attributes, named by the schema.
+_KEYS = json.dumps({"status": S.FINISH_STATUS, "aborted": S.FINISH_ABORTED})
 
 
 _TEMPLATE = """<!doctype html>
@@ -158,6 +163,7 @@ body{font:13px system-ui,sans-serif;margin:12px;color:#222}
 <script>
 "use strict";
 const DATA = __DATA__;
+const K = __KEYS__;  // attribute keys and values, from vllm_journey_otel.schema
 const rowsEl = document.getElementById("rows"), tip = document.getElementById("tip");
 const end = Math.max(1e-9, ...DATA.map(d => d.e));
 const durs = DATA.map(d => d.e - d.s).sort((a, b) => a - b);
@@ -168,7 +174,7 @@ function build(){
   const frag = document.createDocumentFragment();
   for (const d of DATA){
     const row = document.createElement("div");
-    row.className = "row" + (d.a["vllm.journey.finish_status"] === "aborted" ? " aborted" : "");
+    row.className = "row" + (d.a[K.status] === K.aborted ? " aborted" : "");
     row.dataset.requestId = d.id;
     row.dataset.preempted = d.seg.some(s => s[0] === "preempted") ? "1" : "0";
     const lab = document.createElement("div"); lab.className = "lab"; lab.textContent = d.id;
@@ -200,7 +206,7 @@ function filter(){
   let n = 0;
   for (const d of DATA){
     const show = (!pre || d.el.dataset.preempted === "1")
-      && (!ab || d.a["vllm.journey.finish_status"] === "aborted")
+      && (!ab || d.a[K.status] === K.aborted)
       && (!slow || d.e - d.s >= p90) && (!id || d.id.includes(id));
     d.el.classList.toggle("hidden", !show); n += show ? 1 : 0;
   }

@@ -1,0 +1,81 @@
+"""The package's layout by process role holds: only the engine side imports vLLM,
+and neither the export side nor the tools import the engine side; the shared
+modules at the top import none of the three (the plugin entry point excepted)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "src" / "vllm_journey_otel"
+
+
+def imports(path: Path) -> set[str]:
+    """Every module a file imports, anywhere in it (functions included)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            if node.module == "vllm_journey_otel":
+                found.update(f"vllm_journey_otel.{alias.name}" for alias in node.names)
+    return found
+
+
+def modules(role: str) -> list[Path]:
+    return sorted((PKG / role).glob("*.py")) if role else sorted(PKG.glob("*.py"))
+
+
+def _is(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+@pytest.mark.parametrize("role", ["export", "tools", ""])
+def test_only_the_engine_side_imports_vllm_or_the_engine(role: str) -> None:
+    offenders = []
+    for path in modules(role):
+        for module in imports(path):
+            if _is(module, "vllm") or (
+                _is(module, "vllm_journey_otel.engine") and path.name != "plugin.py"
+            ):
+                offenders.append(f"{path.relative_to(PKG)} imports {module}")
+    assert offenders == []
+
+
+def test_shared_modules_import_no_role() -> None:
+    offenders = [
+        f"{path.name} imports {module}"
+        for path in modules("")
+        if path.name != "plugin.py"
+        for module in imports(path)
+        for role in ("engine", "export", "tools")
+        if _is(module, f"vllm_journey_otel.{role}")
+    ]
+    assert offenders == []
+
+
+def test_every_module_says_where_it_runs() -> None:
+    """Each module's docstring exists (it says which process and thread, and clock)."""
+    missing = [
+        str(p.relative_to(PKG))
+        for p in PKG.rglob("*.py")
+        if not ast.get_docstring(ast.parse(p.read_text()))
+    ]
+    assert missing == []
+
+
+def test_modules_and_functions_stay_small() -> None:
+    big = []
+    for path in PKG.rglob("*.py"):
+        text = path.read_text()
+        if text.count("\n") > 520:
+            big.append(f"{path.relative_to(PKG)}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > 80:
+                    big.append(f"{path.relative_to(PKG)}:{node.name}: {length} lines")
+    assert big == []
