@@ -305,6 +305,8 @@ def main() -> None:
                 print(json.dumps(row), file=sys.stderr, flush=True)
     finally:
         receiver.stop()
+    if not rows:
+        raise SystemExit(f"every round failed: {dict(failed)} (see the messages above)")
     fastest = min(row["wall_s"] for row in rows)
     report: dict[str, object] = {
         "rounds": args.rounds, "concurrency": args.concurrency, "tokens": args.tokens,

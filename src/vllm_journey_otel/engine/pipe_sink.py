@@ -234,7 +234,7 @@ class PipeSink:
         # span queues instead.
         return (
             f"the {len(self._fds)} exporter process(es) cannot keep up: short of CPU "
-            f"(one builds and exports ~3,500 journeys/s on a free core: raise "
+            f"(one builds and exports ~6,000 journeys/s on a free core: raise "
             f"{EXPORTER_PROCESSES}) or a slow backend (the exporter logs 'export is "
             f"slower than the traffic'); or lower the sampling ratio, or raise "
             f"{QUEUE_SIZE} for bursts"
