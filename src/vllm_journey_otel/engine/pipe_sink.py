@@ -45,7 +45,7 @@ class PipeSink:
     The write ends of the pipes are non-blocking. The engine thread ``offer``s the
     journeys a step finished: one msgspec encode and one ``os.write``, no thread
     hand-off (waking a thread costs the engine thread a GIL switch each time).
-    With several exporters (one exporter process builds and encodes ~3,500
+    With several exporters (one exporter process builds and encodes ~6,000
     journeys a second; docs/performance.md), each frame goes to the one that has
     been sent the fewest bytes so far, the next one if that pipe is full: frames
     differ in size (a 25 ms hand-off from the engine thread vs. a drain of the
