@@ -72,14 +72,28 @@ def test_without_sched_idle_falls_back_to_nice_and_says_so(monkeypatch) -> None:
     assert nice == 19 and policy == os.SCHED_OTHER
 
 
-def test_drain_thread_runs_at_idle_priority() -> None:
+def _nice_19(tid: int) -> bool:
+    stat = open(f"/proc/{os.getpid()}/task/{tid}/stat").read()  # noqa: SIM115
+    return (
+        os.sched_getscheduler(tid) == os.SCHED_OTHER
+        and int(stat.rsplit(")", 1)[1].split()[16]) == 19
+    )
+
+
+def test_threads_sharing_the_engines_gil_get_nice_19_not_sched_idle() -> None:
+    applied, policy, nice, _ = in_thread(lambda: lower_priority(C.PRIORITY_IDLE, shares_gil=True))
+    assert applied.endswith("nice 19") and "GIL" in applied
+    assert policy == os.SCHED_OTHER and nice == 19
+
+
+def test_drain_thread_runs_at_nice_19() -> None:
     pipeline = JourneyPipeline(PipeSink([]), interval_s=0.01)
     try:
         thread = pipeline._thread
         assert thread is not None and thread.native_id is not None
         tid = thread.native_id
-        wait_until(lambda: os.sched_getscheduler(tid) == os.SCHED_IDLE, 10, 0.01, "SCHED_IDLE")
-        assert os.sched_getscheduler(0) != os.SCHED_IDLE  # the engine thread keeps its own
+        wait_until(lambda: _nice_19(tid), 10, 0.01, "nice 19")
+        assert os.getpriority(os.PRIO_PROCESS, 0) != 19  # the engine thread keeps its own
     finally:
         pipeline.shutdown(1)
 
@@ -215,3 +229,20 @@ def test_exporter_placement_off_switches(bound_child, monkeypatch, capfd) -> Non
     finally:
         sink.shutdown(5)
         psutil.wait_procs([psutil.Process(sink.pid)], timeout=30)
+
+
+def test_export_stage_thread_in_the_engine_runs_at_nice_19() -> None:
+    """In thread mode the export stage's thread is ours inside vLLM's engine core."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from vllm_journey_otel.export.export_stage import ExportStage
+    from vllm_journey_otel.export.health import ExportHealth
+
+    stage = ExportStage([InMemorySpanExporter()], ExportHealth(), shares_gil=True)
+    try:
+        thread = stage._thread
+        assert thread is not None and thread.native_id is not None
+        tid = thread.native_id
+        wait_until(lambda: _nice_19(tid), 10, 0.01, "nice 19")
+    finally:
+        stage.shutdown(1)

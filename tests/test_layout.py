@@ -18,6 +18,8 @@ def imports(path: Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            found.add("." * node.level + (node.module or ""))  # relative: not allowed
         elif isinstance(node, ast.ImportFrom) and node.module:
             found.add(node.module)
             if node.module == "vllm_journey_otel":
@@ -43,6 +45,14 @@ def test_only_the_engine_side_imports_vllm_or_the_engine(role: str) -> None:
             ):
                 offenders.append(f"{path.relative_to(PKG)} imports {module}")
     assert offenders == []
+
+
+def test_imports_are_absolute() -> None:
+    """So the role checks above see every import."""
+    relative = [
+        f"{p.relative_to(PKG)}: {m}" for p in PKG.rglob("*.py") for m in imports(p) if m[0] == "."
+    ]
+    assert relative == []
 
 
 def test_shared_modules_import_no_role() -> None:

@@ -100,6 +100,29 @@ def test_partial_frame_is_finished_on_its_own_pipe(pipes) -> None:  # type: igno
     assert ids(got[r2]) == ["req-500"]
 
 
+def test_a_partial_frame_whose_exporter_dies_is_counted_and_its_fd_never_written(pipes) -> None:  # type: ignore[no-untyped-def]
+    """The start of a frame went to an exporter that then died: the rest is
+    dropped and counted, and that descriptor number (which the next pipe opened
+    may reuse) is never written to again."""
+    (r1, w1), (r2, w2) = pipes
+    fcntl.fcntl(w1, F_SETPIPE_SZ, 4096)
+    sink = PipeSink([w1, w2])
+    fcntl.fcntl(w2, F_SETPIPE_SZ, 4096)
+    os.write(w2, b"\0" * 4096)  # the second one full: the big frame starts on w1
+    big = journeys(200)
+    assert sink.offer(big) and sink.pending
+    os.close(r1)  # that exporter dies
+    sink.maintain()  # the drain thread notices it (its pipe reports the reader gone)
+    assert not sink.pending and sink.exporters == 1
+    assert sink.failed == 200 and sink.lost_pending == 200
+    os.read(r2, 4096)  # the second exporter catches up
+    assert sink.consume(journeys(1, 300)) == 0
+    got = read_frames(io.BytesIO(os.read(r2, 1 << 20)))
+    frame = next(iter(got))
+    assert ids([frame]) == ["req-300"]
+    assert frame.engine_dropped == 200, "the loss travels to the roots"
+
+
 def test_a_gone_exporter_is_left_out_then_none_is_broken(pipes) -> None:  # type: ignore[no-untyped-def]
     (r1, w1), (r2, w2) = pipes
     sink = PipeSink([w1, w2])

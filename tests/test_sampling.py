@@ -213,3 +213,33 @@ def test_journeys_of_one_trace_get_one_decision_on_a_real_scheduler() -> None:
     own = [r for rid, r in roots.items() if rid.startswith("own")]
     assert own and all(_sdk_samples(ratio, r.context.trace_id) for r in own)
     assert all(r.parent is None for r in own)
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        f"00-{TRACE}-{SPAN}-01",
+        f"00-{TRACE}-{SPAN}-00",
+        f"  00-{TRACE}-{SPAN}-01  ",
+        f"01-{TRACE}-{SPAN}-01-future-fields",
+        f"00-{TRACE}-{SPAN}-01-suffix",  # version 00 allows no suffix
+        f"ff-{TRACE}-{SPAN}-01",
+        f"00-{'0' * 32}-{SPAN}-01",
+        f"00-{TRACE}-{'0' * 16}-01",
+        f"00-{TRACE.upper()}-{SPAN}-01",
+        f"00-{TRACE}-{SPAN}",
+        "garbage",
+        "",
+    ],
+)
+def test_the_engines_parent_is_the_propagators_parent(header: str) -> None:
+    """Head sampling reads a traceparent exactly as the exporter's W3C propagator
+    does: a parent for one is a parent for the other, with the same trace id."""
+    from vllm_journey_otel.engine.sampling import client_trace
+    from vllm_journey_otel.export.spans import client_context
+
+    mine = client_trace(header)
+    theirs = client_context({"traceparent": header})
+    assert (mine is None) == (theirs is None), header
+    if mine is not None and theirs is not None:
+        assert mine[0] == theirs.trace_id and (mine[1] & 1) == int(theirs.trace_flags.sampled)

@@ -16,9 +16,11 @@ Where it runs, and what it applies:
   except those vLLM's threads are bound to, read from the affinity of the
   threads of the engine core's process tree). A re-check thread there follows
   bindings that appear later (engine cores of other data-parallel ranks);
-* the drain thread in the engine core, once when it starts: the priority only.
-  It takes the engine core's GIL for short writes; pinned away from a CPU it
-  could not run where the engine thread, blocked on that GIL, frees one.
+* the threads of ours in the engine core (the drain thread; in ``thread`` mode
+  the export stage's), once when each starts: nice 19 and vLLM's CPUs. They
+  take the engine core's GIL: at SCHED_IDLE, or pinned away from a CPU, one
+  preempted while holding it could keep the engine thread waiting for it
+  (:func:`lower_priority`).
 
 Nothing here needs a privilege: a thread may always lower its own priority
 (SCHED_IDLE where the kernel allows it, nice 19 otherwise). What was applied,
@@ -40,6 +42,7 @@ from vllm_journey_otel.config import (
     EXPORTER_CPUS,
     PRIORITY_IDLE,
     PRIORITY_NORMAL,
+    parse_cpu_list,
 )
 from vllm_journey_otel.log import logger
 
@@ -49,13 +52,22 @@ NICEST = 19
 RECHECK_S = (5.0, 30.0, 60.0)
 
 
-def lower_priority(setting: str) -> str:
+def lower_priority(setting: str, shares_gil: bool = False) -> str:
     """Lower the calling thread's CPU priority (Linux: threads started from it
-    inherit it); returns what was applied, for the log. Never raises."""
+    inherit it); returns what was applied, for the log. Never raises.
+
+    ``shares_gil``: a thread of ours inside vLLM's engine core, sharing its GIL.
+    It gets nice 19, not SCHED_IDLE: a SCHED_IDLE thread preempted while it
+    holds the GIL runs again only when a CPU has nothing else to do, and the
+    engine thread waiting for that GIL would wait as long; at nice 19 it still
+    gets its small share and lets the GIL go within the switch interval.
+    """
     if setting == PRIORITY_NORMAL:
         return f"unchanged ({CPU_PRIORITY}={PRIORITY_NORMAL})"
     refused = ""
-    if setting == PRIORITY_IDLE:
+    if setting == PRIORITY_IDLE and shares_gil:
+        refused = "nice, not SCHED_IDLE, for a thread sharing the engine core's GIL: "
+    elif setting == PRIORITY_IDLE:
         idle = getattr(os, "SCHED_IDLE", None)
         if idle is None:
             refused = "SCHED_IDLE does not exist on this platform; "
@@ -116,13 +128,38 @@ def _children() -> dict[int, list[int]]:
     return kids
 
 
+def _is_vllm(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"vllm" in f.read()
+    except OSError:
+        return False
+
+
+def usable_cpus() -> set[int]:
+    """The CPUs this process's cgroup lets it use (cgroup v2
+    ``cpuset.cpus.effective``), else its own affinity: what it inherited may
+    be narrower, if the thread that started it was pinned."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            path = next(line.split("::", 1)[1].strip() for line in f if line.startswith("0::"))
+        with open(f"/sys/fs/cgroup{path}/cpuset.cpus.effective") as f:
+            cpus = parse_cpu_list(f.read().strip())
+    except (OSError, StopIteration, IndexError):
+        cpus = None
+    own = set(os.sched_getaffinity(0))
+    return set(cpus) if cpus else own
+
+
 def bound_cpus(roots: Sequence[int], allowed: set[int]) -> set[int]:
     """CPUs that a thread of ``roots`` or of their descendants is bound to: a
     thread allowed on fewer CPUs than ``allowed`` (what this process may use)
     was bound by someone, vLLM's CPU backend or its user (taskset, numactl)."""
     kids = _children()
     seen: set[int] = set()
-    todo = [pid for pid in roots if pid > 1]
+    # pid 1 is a root only where it is vLLM itself (a container's entry point),
+    # never a host's init, whose tree is every process of the machine.
+    todo = [pid for pid in roots if pid > 1 or (pid == 1 and _is_vllm(1))]
     bound: set[int] = set()
     while todo:
         pid = todo.pop()
@@ -190,8 +227,7 @@ class ExporterPlacement:
         self.setting = cpus
         self.roots = list(roots)
         self.chosen: set[int] | None = None
-        affinity = getattr(os, "sched_getaffinity", None)
-        self.allowed: set[int] = set(affinity(0)) if affinity else set()
+        self.allowed: set[int] = usable_cpus() if hasattr(os, "sched_getaffinity") else set()
 
     def _place(self) -> str:
         if not self.allowed:
@@ -224,8 +260,9 @@ class ExporterPlacement:
             before = self.chosen
             try:
                 why = self._place()
-            except Exception:
-                return
+            except Exception:  # a /proc read that raced with a process's exit
+                logger.debug("journey-otel exporter: CPU re-check failed", exc_info=True)
+                continue
             if self.chosen != before:
                 logger.info("journey-otel exporter: now on %s", why)
             wait = next(waits, wait)

@@ -54,7 +54,13 @@ def _make_sink(attributes: dict[str, Any]) -> Sink:
             )
     # No SdkLogQuieter here: the SDK's loggers are shared with vLLM's own tracing
     # in this process; export results are still counted by the export stage.
-    return SpanSink.from_env(attributes, _STATE.exporters, threaded=_STATE.batch)
+    return SpanSink.from_env(
+        attributes,
+        _STATE.exporters,
+        threaded=_STATE.batch,
+        cpu_priority=_STATE.config.cpu_priority,
+        in_engine=True,
+    )
 
 
 def _pipeline_for(scheduler: Any) -> JourneyPipeline:

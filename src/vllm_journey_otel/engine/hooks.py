@@ -213,6 +213,8 @@ def _wrap_targets(scheduler_cls: type) -> None:
 
 
 def _patch(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    if (cls, name) in _STATE.originals:
+        return  # wrapped already (an install that failed part-way): never wrap a wrapper
     own = name in cls.__dict__
     orig = getattr(cls, name)
     _STATE.originals[(cls, name)] = (orig, own)

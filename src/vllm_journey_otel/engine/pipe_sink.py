@@ -115,10 +115,12 @@ class PipeSink:
         child_env = dict(os.environ if env is None else env)
         fds: list[int] = []
         pids: list[int] = []
+        pid_of: dict[int, int | None] = {}
         try:
             for _ in range(max(1, processes)):
                 fd, pid = launch(argv, child_env, python)
                 fds.append(fd)
+                pid_of[fd] = pid
                 if pid is not None:
                     pids.append(pid)
         except BaseException:
@@ -128,7 +130,7 @@ class PipeSink:
             raise
         sink = cls(fds, pids[0] if pids else None)
         sink.pids = pids
-        sink._pid_of = dict(zip(fds, pids, strict=False))
+        sink._pid_of = pid_of
         sink._recipe = (argv, child_env, python)
         return sink
 
@@ -150,6 +152,12 @@ class PipeSink:
             return
         self._fds.remove(fd)
         pid = self._pid_of.pop(fd, None)
+        if fd == self._pending_fd:
+            # The rest of a frame whose start went there is lost with it; its
+            # number must never be written to again (it may be reused).
+            _, journeys, _ = self._take_pending()
+            self.lost_pending += journeys
+            self.failed += journeys
         with contextlib.suppress(OSError):
             os.close(fd)
         if not self._fds:
@@ -280,6 +288,9 @@ class PipeSink:
             if not self._fds:
                 self.failed += journeys
                 raise FrameLost("no exporter process left")
+            if fd >= 0 and fd not in self._fds:  # its exporter went away meanwhile
+                self.failed += journeys
+                raise FrameLost("the exporter of a partial frame is gone")
             targets = [fd] if fd >= 0 else self._rotation()
             for target in targets:
                 try:

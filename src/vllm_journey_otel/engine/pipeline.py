@@ -10,8 +10,8 @@ as the backstop: it moves the queued journeys, in one batch, to the sink
 (``sinks.py``: an exporter process in ``process`` mode, or span building in this
 process in ``thread`` mode) when the engine thread does not (its offer was
 declined, bytes of a frame are pending, it stopped stepping, or the sink never
-takes offers), and leaves the queue alone otherwise. It runs at the lowest CPU
-priority (``cpu_yield.lower_priority``).
+takes offers), and leaves the queue alone otherwise. It runs at nice 19
+(``cpu_yield.lower_priority``: it shares the engine core's GIL).
 
 Process: the engine-core process, created after fork/spawn. Thread-safety:
 ``submit`` is called by one thread (the engine thread); draining is serialised by
@@ -169,8 +169,9 @@ class JourneyPipeline:
 
     # -- drain thread ------------------------------------------------------
     def _run(self) -> None:
-        # The drain thread yields to vLLM's (cpu_yield.py: priority, not CPUs).
-        logger.debug("journey-otel: drain thread at %s", lower_priority(self._cpu_priority))
+        # The drain thread yields to vLLM's (cpu_yield.py: nice 19, vLLM's CPUs).
+        applied = lower_priority(self._cpu_priority, shares_gil=True)
+        logger.debug("journey-otel: drain thread at %s", applied)
         failures = 0
         while not self._stop.wait(self._interval_s):
             try:

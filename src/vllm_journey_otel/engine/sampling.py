@@ -23,6 +23,7 @@ Pure: no vLLM, no OpenTelemetry SDK.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -32,6 +33,29 @@ from vllm_journey_otel.rng import RNG
 
 # TraceIdRatioBased (opentelemetry-sdk 1.x) samples when trace_id & LIMIT < bound.
 TRACE_ID_LIMIT = (1 << 64) - 1
+# A W3C traceparent as the SDK's TraceContextTextMapPropagator reads it
+# (opentelemetry-api 1.45): the exporter reads the client's context with that
+# propagator, so a header is a parent here exactly when it is one there.
+_TRACEPARENT = re.compile(
+    "^[ \t]*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:(-.*)|[ \t]*)$"
+)
+_TRACEPARENT_MAX = 512
+
+
+def client_trace(traceparent: str | None) -> tuple[int, int] | None:
+    """(trace id, flags) of a valid ``traceparent``, or None where the
+    propagator would find no parent."""
+    if not traceparent or len(traceparent) > _TRACEPARENT_MAX:
+        return None
+    m = _TRACEPARENT.search(traceparent)
+    if m is None:
+        return None
+    version, trace_hex, span_hex, flags = m.group(1, 2, 3, 4)
+    if trace_hex == "0" * 32 or span_hex == "0" * 16 or version == "ff":
+        return None
+    if version == "00" and m.group(5):
+        return None
+    return int(trace_hex, 16), int(flags, 16)
 
 
 @dataclass(frozen=True)
@@ -50,22 +74,14 @@ class HeadSampler:
         """Whether the journey is sampled, and, when a ratio decided it for a
         journey that starts its own trace, the root's ids (its trace id is the
         one decided on: the root must use it)."""
-        client_trace = 0
-        if trace_headers:
-            tp = trace_headers.get("traceparent")
-            # "00-<32 hex trace id>-<16 hex>-<2 hex flags>"
-            if tp is not None and len(tp) == 55 and tp[2] == "-" and tp[52] == "-":
-                try:
-                    client_trace, flags = int(tp[3:35], 16), int(tp[53:55], 16)
-                except ValueError:
-                    client_trace = 0  # malformed: the journey is its own root
-                if client_trace and self.parent_based:
-                    return (flags & 1) == 1, None
+        client = client_trace(trace_headers.get("traceparent")) if trace_headers else None
+        if client is not None and self.parent_based:
+            return (client[1] & 1) == 1, None
         ratio = self.ratio
         if ratio >= 1.0 or ratio <= 0.0:
             return ratio >= 1.0, None
-        if client_trace:
-            return (client_trace & TRACE_ID_LIMIT) < self.bound, None
+        if client is not None:
+            return (client[0] & TRACE_ID_LIMIT) < self.bound, None
         bits = RNG.getrandbits  # not vLLM's seeded global random (rng.py)
         ids = RootIds(bits(64), bits(64) or 1, bits(64) or 1)
         return ids.trace_lo < self.bound, ids

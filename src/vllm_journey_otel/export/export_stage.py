@@ -36,6 +36,8 @@ from collections.abc import Callable, Sequence
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from vllm_journey_otel.config import Config
+from vllm_journey_otel.cpu_yield import lower_priority
 from vllm_journey_otel.export.health import ExportHealth
 from vllm_journey_otel.log import logger
 
@@ -52,6 +54,8 @@ class ExportStage:
         max_pending: int | None = None,
         threaded: bool = True,
         endpoint: str = "",
+        cpu_priority: str = Config.cpu_priority,
+        shares_gil: bool = False,
     ) -> None:
         self.exporters = list(exporters)
         self.health = health
@@ -68,6 +72,10 @@ class ExportStage:
         self._flush_to = 0  # export everything up to this count now
         self._stopping = False
         self.waited_s = 0.0  # add() waiting for room, in all: export is the bottleneck
+        self._cpu_priority = cpu_priority
+        self._shares_gil = shares_gil  # thread mode: the engine core's GIL
+        self._waiting = 0  # add() calls waiting for room: a batch is due at once
+        self._dead = False  # the stage's thread ended: export inline from then on
         self._thread: threading.Thread | None = None
         if threaded and self.exporters:
             self._thread = threading.Thread(
@@ -76,29 +84,42 @@ class ExportStage:
             self._thread.start()
 
     # -- the adding thread ----------------------------------------------------
-    def add(self, spans: Sequence[ReadableSpan], stop: Callable[[], bool] | None = None) -> None:
+    def add(
+        self,
+        spans: Sequence[ReadableSpan],
+        stop: Callable[[], bool] | None = None,
+        deadline: float | None = None,
+    ) -> None:
         """Queue ``spans`` for export; blocks while the stage is full (backpressure).
 
-        ``stop`` set (the exporter's SIGTERM): no more waiting, the spans are
-        queued over the bound and exported with the final flush.
+        ``stop`` returning True (the exporter's SIGTERM), or ``deadline``
+        (``time.monotonic()``: a flush at the engine core's shutdown in thread
+        mode) passed: no more waiting, the spans are queued over the bound.
         """
         if not spans:
             return
         if not self.exporters:  # OTEL_TRACES_EXPORTER=none: recorded, not exported
             return
-        if self._thread is None:
+        if self._thread is None or self._dead:
             self._export(spans)
             return
         with self._cond:
             if len(self._pending) + len(spans) > self.max_pending and self._pending:
                 began = time.monotonic()
-                while (
-                    self._pending
-                    and len(self._pending) + len(spans) > self.max_pending
-                    and not self._stopping
-                    and not (stop is not None and stop())
-                ):
-                    self._cond.wait(0.25)  # a SIGTERM is noticed within this
+                self._waiting += 1
+                self._cond.notify_all()  # what is pending is due now
+                try:
+                    while (
+                        self._pending
+                        and len(self._pending) + len(spans) > self.max_pending
+                        and not self._stopping
+                        and not self._dead
+                        and not (stop is not None and stop())
+                        and not (deadline is not None and time.monotonic() >= deadline)
+                    ):
+                        self._cond.wait(0.25)  # a SIGTERM is noticed within this
+                finally:
+                    self._waiting -= 1
                 waited = time.monotonic() - began
                 self.waited_s += waited
                 self.health.backed_up(waited)
@@ -117,10 +138,26 @@ class ExportStage:
             len(pending) >= self.max_batch
             or now - self._oldest >= self.delay_s
             or self._flush_to > self._done
+            or self._waiting > 0
             or self._stopping
         )
 
     def _run(self) -> None:
+        # In thread mode this is a thread of ours in vLLM's engine core: it
+        # yields first (cpu_yield.py); in the exporter process it inherited that.
+        lower_priority(self._cpu_priority, shares_gil=self._shares_gil)
+        try:
+            self._loop()
+        except Exception:  # never leave add() waiting on a thread that is gone
+            logger.warning(
+                "journey-otel: the export thread failed; exporting inline", exc_info=True
+            )
+        finally:
+            with self._cond:
+                self._dead = True
+                self._cond.notify_all()
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 while not self._due(now := time.monotonic()):
@@ -130,7 +167,8 @@ class ExportStage:
                     self._cond.wait(wait)
                 batch = self._pending[: self.max_batch]
                 del self._pending[: self.max_batch]
-                self._oldest = time.monotonic()
+                if not self._pending:
+                    self._oldest = time.monotonic()  # the next span starts a new delay
                 self._cond.notify_all()  # room for add()
             self._export(batch)
             with self._cond:
@@ -154,6 +192,12 @@ class ExportStage:
     def flush(self, timeout_s: float) -> bool:
         """Export everything added so far within ``timeout_s``; True when done."""
         if self._thread is None:
+            return True
+        if self._dead:  # export what the thread left, here
+            with self._cond:
+                batch, self._pending = self._pending, []
+            if batch:
+                self._export(batch)
             return True
         deadline = time.monotonic() + max(0.0, timeout_s)
         with self._cond:

@@ -113,7 +113,9 @@ def main(argv: list[str]) -> int:
     _certificate_wins()
     health = ExportHealth()
     SdkLogQuieter(health).install()
-    sink = SpanSink.from_env(attributes, health=health, stop=_stopping)
+    sink = SpanSink.from_env(
+        attributes, health=health, stop=_stopping, cpu_priority=config.cpu_priority
+    )
     tune_gc()
     reader = FrameReader()
     try:

@@ -26,12 +26,10 @@ import time
 
 from vllm_journey_otel.log import logger
 
-# Loggers of the SDK's OTLP exporters and of its batch processor (SDK 1.3x-1.4x).
+# Loggers of the SDK's OTLP exporters (logger names, opentelemetry-sdk 1.3x-1.45).
 SDK_LOGGERS = (
     "opentelemetry.exporter.otlp.proto.grpc.exporter",
     "opentelemetry.exporter.otlp.proto.http.trace_exporter",
-    "opentelemetry.sdk._shared_internal",
-    "opentelemetry.sdk.trace.export",
 )
 # Loggers that warn about what clients sent (a malformed tracestate, an id longer
 # than the attribute limit): one line per request, nothing an operator can fix.

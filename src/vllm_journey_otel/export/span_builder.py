@@ -87,7 +87,8 @@ class SpanBuilder:
             if link.attributes
             else link
             for link in links
-            if link.context.is_valid or link.attributes
+            # The SDK's rule for keeping a link (opentelemetry-sdk 1.45, _is_valid_link).
+            if link.context.is_valid or link.attributes or link.context.trace_state
         ]
         if self.max_links is not None and len(out) > self.max_links:
             return BoundedList.from_seq(self.max_links, out)

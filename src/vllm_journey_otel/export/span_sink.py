@@ -21,6 +21,7 @@ from vllm_journey_otel.config import (
     EXPORT_MODE,
     QUEUE_SIZE,
     TRACES_EXPORTER,
+    Config,
     batching_from_env,
     endpoint_name,
     exporter_names,
@@ -63,6 +64,8 @@ class SpanSink:
         threaded: bool = True,
         health: ExportHealth | None = None,
         stop: Callable[[], bool] | None = None,
+        cpu_priority: str = Config.cpu_priority,
+        in_engine: bool = False,
     ) -> SpanSink:
         """Exporters, resource, limits and batching from the OTEL_* variables
         (``exporters`` given: those, for tests)."""
@@ -86,6 +89,8 @@ class SpanSink:
             max_pending=batching.max_pending,
             threaded=threaded,
             endpoint=endpoint_name(names),
+            cpu_priority=cpu_priority,
+            shares_gil=in_engine,
         )
         builder = SpanBuilder(make_resource(resource_attributes), span_limits())
         return cls(builder, stage, stop=stop)
@@ -113,7 +118,7 @@ class SpanSink:
         self, batch: Sequence[Record], engine_dropped: int = 0, deadline: float | None = None
     ) -> int:
         # Building spans takes CPU, not a wait; the stage may make us wait for
-        # the backend (backpressure), not bounded by ``deadline``.
+        # the backend (backpressure), until ``deadline`` at most.
         failed = 0
         health = self.health
         health.engine_dropped = max(health.engine_dropped, engine_dropped)
@@ -141,10 +146,10 @@ class SpanSink:
                     )
             if len(built) >= ADD_SPANS:
                 health.spans_built += len(built)
-                self.stage.add(built, self._stop)
+                self.stage.add(built, self._stop, deadline)
                 built = []
         health.spans_built += len(built)
-        self.stage.add(built, self._stop)
+        self.stage.add(built, self._stop, deadline)
         self.failed += failed
         return failed
 
