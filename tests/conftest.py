@@ -13,6 +13,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from otlp_receiver import Receiver, running_receiver
+
 
 def vllm_available() -> bool:
     try:
@@ -69,3 +71,24 @@ def tracing() -> Iterator[Tracing]:
         yield Tracing(exporter)
     finally:
         hooks.uninstall()
+
+
+# -- the fixtures every module shares (defined here only) ----------------------
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    """The tiny random-weight Llama, built offline once."""
+    from fixtures.tiny_model import build
+
+    return build(Path(__file__).resolve().parent.parent / ".cache" / "tiny-llama")
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    """An OTLP receiver on 127.0.0.1 (gRPC and HTTP), one per test."""
+    yield from running_receiver()
+
+
+@pytest.fixture(scope="module")
+def module_receiver() -> Iterator[Receiver]:
+    """The same, shared by a module's tests (with its module-scoped servers)."""
+    yield from running_receiver()

@@ -815,7 +815,7 @@ def test_every_promised_attribute_is_emitted_by_real_journeys(tracing) -> None: 
         emitted.setdefault(span.name, set()).update(span.attributes or {})
         resource.update(span.resource.attributes)
     # Every span of the plain path; vllm.wait (a wait happened) and vllm.step (the
-    # opt-in step view) are covered in tests/test_beyond_plain.py.
+    # opt-in step view) are covered in tests/engine/test_beyond_plain.py.
     plain = set(S.SPAN_NAMES) - {S.SPAN_WAIT, S.SPAN_STEP}
     assert plain <= set(emitted), plain - set(emitted)
 
@@ -824,7 +824,7 @@ def test_every_promised_attribute_is_emitted_by_real_journeys(tracing) -> None: 
         promises += dashboard_refs(load(path))[0]
     assert len(promises) > 20
     # Emitted only with a feature this plain workload does not turn on (a wait,
-    # speculative decoding): tests/test_beyond_plain.py drives those on a real
+    # speculative decoding): tests/engine/test_beyond_plain.py drives those on a real
     # Scheduler and asserts these keys.
     feature_only = {
         S.WAIT_REASON, S.SPEC_DRAFTS_PROPOSED, S.SPEC_DRAFTS_ACCEPTED, S.SPEC_ACCEPTANCE_RATE,

@@ -444,7 +444,7 @@ class RequestJourney:
         output_tokens += self.outputs_before
         end_chunks = self.prefill_chunks if self.state == RUNNING and not self.decoding else 0
         # Positional, in field order (keywords cost ~0.25 us more per journey on
-        # the engine thread); tests/test_spans_plan.py round-trips every field.
+        # the engine thread); tests/export/test_spans_plan.py round-trips every field.
         journey = FinishedJourney(
             self.request_id,
             self.arrival_time_s,

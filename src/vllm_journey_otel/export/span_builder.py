@@ -4,7 +4,7 @@ Where: the exporter process's main thread, or the engine core's drain thread in
 ``thread`` mode. Times are the plan's ``*_unix_ns`` (epoch ns); nothing here
 reads a clock.
 
-What a Tracer would do for these spans, and only that (``tests/test_span_builder.py``
+What a Tracer would do for these spans, and only that (``tests/export/test_span_builder.py``
 checks that the SDK's OTLP encoding of both is identical, span for span): ids
 from our own generator (``rng.py``) unless the root's were chosen in the engine;
 a root under the client's remote context keeps its trace id and ``tracestate``,

@@ -30,7 +30,7 @@ pytestmark = [
     ),
 ]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class _Ctx:
@@ -66,13 +66,6 @@ class PhoenixSpan:
         self.context = _Ctx(trace_id, int(d["context"]["span_id"], 16))
         self.parent = _Ctx(trace_id, int(d["parent_id"], 16)) if d.get("parent_id") else None
         self.kind = _Kind()
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    from fixtures.tiny_model import build
-
-    return build(ROOT / ".cache" / "tiny-llama")
 
 
 @pytest.fixture(scope="module")

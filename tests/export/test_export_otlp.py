@@ -8,7 +8,7 @@ import socket
 import pytest
 
 from conftest import import_harness, requires_vllm
-from otlp_receiver import Receiver, running_receiver
+from otlp_receiver import Receiver
 from services import wait_until
 from vllm_journey_otel import __version__
 from vllm_journey_otel import schema as S
@@ -17,11 +17,6 @@ from vllm_journey_otel.engine import hooks
 
 pytestmark = requires_vllm
 harness = import_harness()
-
-
-@pytest.fixture
-def receiver():  # type: ignore[no-untyped-def]
-    yield from running_receiver()
 
 
 @pytest.fixture(autouse=True)
@@ -154,7 +149,7 @@ def test_console_exporter() -> None:
     from pathlib import Path
 
     code = (
-        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})\n"
         "from vllm_journey_otel.engine import hooks\n"
         "from vllm_journey_otel.config import MODE_PROCESS, MODE_THREAD, Config\n"
         "assert hooks.install(Config(enabled=True))\n"

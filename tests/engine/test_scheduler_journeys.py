@@ -12,27 +12,14 @@ import random
 import time
 import zlib
 
-import pytest
-
 from conftest import import_harness, requires_vllm
+from scheduling import SCHEDULERS, assert_no_state_left
 from trees import check_invariants, expected_shape
 from vllm_journey_otel import schema as S
 
 pytestmark = requires_vllm
 
 harness = import_harness()
-
-SCHEDULERS = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-
-
-def assert_no_state_left(engine) -> None:  # type: ignore[no-untyped-def]
-    from vllm_journey_otel.engine.hooks import JOURNEY_ATTR, TRACKER_ATTR
-
-    tracker = engine.scheduler.__dict__[TRACKER_ATTR]
-    assert tracker.awaiting == {}
-    assert engine.scheduler.requests == {}
-    for req in engine.requests.values():
-        assert getattr(req, JOURNEY_ATTR, None) is None
 
 
 @SCHEDULERS

@@ -1,5 +1,5 @@
 """End to end: a real `vllm serve` with the plugin, a real OpenAI client, spans
-received over real OTLP by an in-test receiver (opentelemetry-proto's generated
+received over real OTLP by an in-test module_receiver (opentelemetry-proto's generated
 gRPC service), in both process layouts.
 
 What cannot run here and is covered elsewhere: the GPU defaults (async
@@ -22,104 +22,41 @@ from pathlib import Path
 import pytest
 
 from conftest import requires_vllm
-from otlp_receiver import Receiver, WireSpan, wire_spans
+from otlp_receiver import WireSpan, wire_spans
 from services import VllmServer, metric_value, wait_until
-from trees import Node, check_invariants, expected_shape, journeys
+from serving import (
+    LAYOUTS,
+    assert_parented,
+    client,
+    journeys_in_trace,
+    new_traceparent,
+    start_server,
+)
+from trees import check_invariants, expected_shape
 from vllm_journey_otel import schema as S
 
 pytestmark = [requires_vllm, pytest.mark.e2e]
 
-ROOT = Path(__file__).resolve().parent.parent
-# VLLM_ENABLE_V1_MULTIPROCESSING=0: API server + engine core (worker inside it);
-# default: API server + engine core + worker.
-LAYOUTS = ["2proc", "3proc"]
-
-
-@pytest.fixture(scope="session")
-def model_dir() -> Path:
-    from fixtures.tiny_model import build
-
-    return build(ROOT / ".cache" / "tiny-llama")
-
-
-@pytest.fixture(scope="module")
-def receiver() -> Iterator[Receiver]:
-    r = Receiver()
-    r.start_grpc()
-    r.start_http()
-    yield r
-    r.stop()
-
-
-def start_server(model_dir: Path, tmp: Path, receiver: Receiver, layout: str, **kw) -> VllmServer:  # type: ignore[no-untyped-def]
-    env = {
-        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{receiver.grpc_port}",
-        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc",
-        **kw.pop("env", {}),
-    }
-    server = VllmServer(
-        model_dir, tmp / f"vllm-{layout}.log", env, multiprocessing=layout == "3proc", **kw
-    )
-    try:
-        server.wait_ready()
-    except BaseException:
-        server.stop()
-        raise
-    return server
-
 
 @pytest.fixture(scope="module", params=LAYOUTS)
-def server(request, model_dir, receiver, tmp_path_factory) -> Iterator[VllmServer]:  # type: ignore[no-untyped-def]
-    s = start_server(model_dir, tmp_path_factory.mktemp("serve"), receiver, request.param)
+def server(request, model_dir, module_receiver, tmp_path_factory) -> Iterator[VllmServer]:  # type: ignore[no-untyped-def]
+    s = start_server(model_dir, tmp_path_factory.mktemp("serve"), module_receiver, request.param)
     s.layout = request.param  # type: ignore[attr-defined]
     yield s
     s.stop()
 
 
-def client(server: VllmServer):  # type: ignore[no-untyped-def]
-    import openai
-
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def new_traceparent() -> tuple[str, int, int]:
-    trace_id = random.getrandbits(128) | 1
-    span_id = random.getrandbits(64) | 1
-    return f"00-{trace_id:032x}-{span_id:016x}-01", trace_id, span_id
-
-
-def journeys_in_trace(
-    receiver: Receiver, trace_id: int, count: int = 1, timeout: float = 30.0
-) -> list[Node]:
-    def found() -> list[Node]:
-        ours = [
-            s
-            for s in wire_spans(receiver)
-            if s.name in S.SPAN_NAMES and s.context.trace_id == trace_id
-        ]
-        roots = list(journeys(ours).values())  # type: ignore[arg-type]
-        return roots if len(roots) >= count else []
-
-    return wait_until(found, timeout, 0.2, f"{count} journey(s) in trace {trace_id:032x}")  # type: ignore[no-any-return]
-
-
-def assert_parented(root: Node, trace_id: int, span_id: int) -> None:
-    parent = root.span.parent
-    assert root.span.context.trace_id == trace_id
-    assert parent is not None and parent.span_id == span_id
-
-
 # ---------------------------------------------------------------------------
 # Requests
 # ---------------------------------------------------------------------------
-def test_completion(server, receiver) -> None:  # type: ignore[no-untyped-def]
+def test_completion(server, module_receiver) -> None:  # type: ignore[no-untyped-def]
     tp, trace_id, span_id = new_traceparent()
     resp = client(server).completions.create(
         model=server.model, prompt="the scheduler runs a request", max_tokens=12,
         extra_headers={"traceparent": tp, "tracestate": "client=e2e"},
         extra_body={"ignore_eos": True},
     )  # fmt: skip
-    (root,) = journeys_in_trace(receiver, trace_id)
+    (root,) = journeys_in_trace(module_receiver, trace_id)
     check_invariants(root)
     assert_parented(root, trace_id, span_id)
     assert root.shape() == expected_shape("PD")
@@ -141,20 +78,20 @@ def test_completion(server, receiver) -> None:  # type: ignore[no-untyped-def]
     assert abs(root.start - time.time_ns()) < 60e9
 
 
-def test_chat(server, receiver) -> None:  # type: ignore[no-untyped-def]
+def test_chat(server, module_receiver) -> None:  # type: ignore[no-untyped-def]
     tp, trace_id, span_id = new_traceparent()
     resp = client(server).chat.completions.create(
         model=server.model, messages=[{"role": "user", "content": "hello engine"}],
         max_tokens=7, extra_headers={"traceparent": tp}, extra_body={"ignore_eos": True},
     )  # fmt: skip
-    (root,) = journeys_in_trace(receiver, trace_id)
+    (root,) = journeys_in_trace(module_receiver, trace_id)
     check_invariants(root)
     assert_parented(root, trace_id, span_id)
     assert root.attrs[S.GEN_AI_INPUT_TOKENS] == resp.usage.prompt_tokens
     assert root.attrs[S.GEN_AI_OUTPUT_TOKENS] == resp.usage.completion_tokens == 7
 
 
-def test_streaming(server, receiver) -> None:  # type: ignore[no-untyped-def]
+def test_streaming(server, module_receiver) -> None:  # type: ignore[no-untyped-def]
     tp, trace_id, _ = new_traceparent()
     stream = client(server).completions.create(
         model=server.model, prompt="stream me", max_tokens=20, stream=True,
@@ -168,19 +105,19 @@ def test_streaming(server, receiver) -> None:  # type: ignore[no-untyped-def]
         if chunk.usage is not None:
             usage = chunk.usage
     assert usage is not None and chunks > 1
-    (root,) = journeys_in_trace(receiver, trace_id)
+    (root,) = journeys_in_trace(module_receiver, trace_id)
     check_invariants(root)
     assert root.attrs[S.GEN_AI_INPUT_TOKENS] == usage.prompt_tokens
     assert root.attrs[S.GEN_AI_OUTPUT_TOKENS] == usage.completion_tokens == 20
 
 
-def test_n2_two_journeys_in_one_trace(server, receiver) -> None:  # type: ignore[no-untyped-def]
+def test_n2_two_journeys_in_one_trace(server, module_receiver) -> None:  # type: ignore[no-untyped-def]
     tp, trace_id, span_id = new_traceparent()
     resp = client(server).completions.create(
         model=server.model, prompt="two answers please", max_tokens=5, n=2, seed=7,
         extra_headers={"traceparent": tp}, extra_body={"ignore_eos": True},
     )  # fmt: skip
-    roots = journeys_in_trace(receiver, trace_id, count=2)
+    roots = journeys_in_trace(module_receiver, trace_id, count=2)
     assert len(roots) == 2
     assert len({r.attrs[S.REQUEST_ID] for r in roots}) == 2
     for root in roots:
@@ -190,8 +127,8 @@ def test_n2_two_journeys_in_one_trace(server, receiver) -> None:  # type: ignore
     assert sum(r.attrs[S.GEN_AI_OUTPUT_TOKENS] for r in roots) == resp.usage.completion_tokens == 10
 
 
-def test_without_traceparent_is_its_own_trace(server, receiver) -> None:  # type: ignore[no-untyped-def]
-    before = {s.context.trace_id for s in wire_spans(receiver)}
+def test_without_traceparent_is_its_own_trace(server, module_receiver) -> None:  # type: ignore[no-untyped-def]
+    before = {s.context.trace_id for s in wire_spans(module_receiver)}
     marker = f"untraced-{random.getrandbits(32)}"
     client(server).completions.create(
         model=server.model, prompt="no trace context", max_tokens=3, user=marker,
@@ -200,7 +137,7 @@ def test_without_traceparent_is_its_own_trace(server, receiver) -> None:  # type
 
     def new_roots() -> list[WireSpan]:
         return [
-            s for s in wire_spans(receiver)
+            s for s in wire_spans(module_receiver)
             if s.name == S.SPAN_REQUEST and s.context.trace_id not in before
         ]  # fmt: skip
 
@@ -209,7 +146,7 @@ def test_without_traceparent_is_its_own_trace(server, receiver) -> None:  # type
     assert root.attributes[S.GEN_AI_OUTPUT_TOKENS] == 3
 
 
-def test_client_disconnect_mid_stream_aborts(server, receiver) -> None:  # type: ignore[no-untyped-def]
+def test_client_disconnect_mid_stream_aborts(server, module_receiver) -> None:  # type: ignore[no-untyped-def]
     import httpx
 
     # The tiny model decodes a token in about a millisecond, so the engine can
@@ -237,7 +174,7 @@ def test_client_disconnect_mid_stream_aborts(server, receiver) -> None:  # type:
                     got += 1
                 if got >= 3:
                     break  # leave the with-block: the connection closes mid-stream
-        (root,) = journeys_in_trace(receiver, trace_id, timeout=60)
+        (root,) = journeys_in_trace(module_receiver, trace_id, timeout=60)
         check_invariants(root)
         assert root.shape() == expected_shape("PD")
         status = root.attrs[S.FINISH_STATUS]
@@ -250,7 +187,7 @@ def test_client_disconnect_mid_stream_aborts(server, receiver) -> None:  # type:
     assert statuses[-1] == S.FINISH_ABORTED, f"no attempt was aborted: {statuses}"
 
 
-def test_too_long_prompt_is_rejected_without_a_journey(server, receiver) -> None:  # type: ignore[no-untyped-def]
+def test_too_long_prompt_is_rejected_without_a_journey(server, module_receiver) -> None:  # type: ignore[no-untyped-def]
     import openai
 
     tp, trace_id, _ = new_traceparent()
@@ -264,18 +201,20 @@ def test_too_long_prompt_is_rejected_without_a_journey(server, receiver) -> None
     client(server).completions.create(
         model=server.model, prompt="after", max_tokens=2, extra_headers={"traceparent": tp2}
     )
-    journeys_in_trace(receiver, trace2)
+    journeys_in_trace(module_receiver, trace2)
     time.sleep(0.5)
-    assert not [s for s in wire_spans(receiver) if s.context.trace_id == trace_id]
+    assert not [s for s in wire_spans(module_receiver) if s.context.trace_id == trace_id]
 
 
 # ---------------------------------------------------------------------------
 # Preemption: a tiny KV cache, 32 concurrent 256-token requests
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_forced_preemption_matches_vllm_metrics(model_dir, receiver, tmp_path, layout: str) -> None:  # type: ignore[no-untyped-def]
+def test_forced_preemption_matches_vllm_metrics(
+    model_dir, module_receiver, tmp_path, layout: str
+) -> None:  # type: ignore[no-untyped-def]
     server = start_server(
-        model_dir, tmp_path, receiver, layout, max_model_len=512, kv_cache_bytes="1M"
+        model_dir, tmp_path, module_receiver, layout, max_model_len=512, kv_cache_bytes="1M"
     )
     try:
         tp, trace_id, span_id = new_traceparent()
@@ -290,7 +229,7 @@ def test_forced_preemption_matches_vllm_metrics(model_dir, receiver, tmp_path, l
                     range(32),
                 )
             )  # fmt: skip
-        roots = journeys_in_trace(receiver, trace_id, count=32, timeout=120)
+        roots = journeys_in_trace(module_receiver, trace_id, count=32, timeout=120)
         preempted_total = metric_value(server.metrics(), "vllm:num_preemptions_total")
     finally:
         server.stop()
@@ -315,10 +254,12 @@ def test_forced_preemption_matches_vllm_metrics(model_dir, receiver, tmp_path, l
 # Graceful SIGTERM: journeys finished just before it all arrive
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_sigterm_after_requests_loses_nothing(model_dir, receiver, tmp_path, layout: str) -> None:  # type: ignore[no-untyped-def]
+def test_sigterm_after_requests_loses_nothing(
+    model_dir, module_receiver, tmp_path, layout: str
+) -> None:  # type: ignore[no-untyped-def]
     # A long batch delay: without the shutdown flush these spans would still be queued.
     server = start_server(
-        model_dir, tmp_path, receiver, layout, env={"OTEL_BSP_SCHEDULE_DELAY": "30000"}
+        model_dir, tmp_path, module_receiver, layout, env={"OTEL_BSP_SCHEDULE_DELAY": "30000"}
     )
     tp, trace_id, _ = new_traceparent()
     try:
@@ -353,7 +294,7 @@ def test_sigterm_after_requests_loses_nothing(model_dir, receiver, tmp_path, lay
         server.proc.wait(timeout=60)
     finally:
         server.stop()
-    roots = journeys_in_trace(receiver, trace_id, count=6, timeout=10)
+    roots = journeys_in_trace(module_receiver, trace_id, count=6, timeout=10)
     short = [r for r in roots if r.attrs[S.GEN_AI_MAX_TOKENS] == 8]
     assert len(short) == 6
     assert {r.attrs[S.FINISH_STATUS] for r in short} == {S.FINISH_LENGTH}
@@ -374,10 +315,10 @@ def _percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
-def test_with_vllm_tracing_and_truth_check(model_dir, receiver, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    endpoint = f"http://127.0.0.1:{receiver.grpc_port}"
+def test_with_vllm_tracing_and_truth_check(model_dir, module_receiver, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    endpoint = f"http://127.0.0.1:{module_receiver.grpc_port}"
     server = start_server(
-        model_dir, tmp_path, receiver, "3proc", args=["--otlp-traces-endpoint", endpoint],
+        model_dir, tmp_path, module_receiver, "3proc", args=["--otlp-traces-endpoint", endpoint],
         env={"OTEL_EXPORTER_OTLP_TRACES_INSECURE": "true"},
     )  # fmt: skip
     traces = []
@@ -396,7 +337,11 @@ def test_with_vllm_tracing_and_truth_check(model_dir, receiver, tmp_path) -> Non
             traces = list(pool.map(one, range(40)))
 
         def vllm_spans() -> dict[int, WireSpan]:
-            found = {s.context.trace_id: s for s in wire_spans(receiver) if s.name == "llm_request"}
+            found = {
+                s.context.trace_id: s
+                for s in wire_spans(module_receiver)
+                if s.name == "llm_request"
+            }
             return found if all(t in found for t in traces) else {}
 
         theirs = wait_until(vllm_spans, 60, 0.5, "vLLM's llm_request spans")
@@ -404,7 +349,7 @@ def test_with_vllm_tracing_and_truth_check(model_dir, receiver, tmp_path) -> Non
         server.stop()
     diffs: dict[str, list[float]] = {"queued": [], "ttft": [], "prefill": [], "decode": []}
     for trace_id in traces:
-        (root,) = journeys_in_trace(receiver, trace_id)
+        (root,) = journeys_in_trace(module_receiver, trace_id)
         v = theirs[trace_id].attributes
         a = root.attrs
         # Both in the client's trace: vLLM's span and ours are siblings.
@@ -437,13 +382,13 @@ def test_with_vllm_tracing_and_truth_check(model_dir, receiver, tmp_path) -> Non
 # ---------------------------------------------------------------------------
 # The embedded default: a trace file, summarised by the CLI
 # ---------------------------------------------------------------------------
-def test_trace_file_and_summary(model_dir, receiver, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_trace_file_and_summary(model_dir, module_receiver, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from vllm_journey_otel.tools.summary import summarize
     from vllm_journey_otel.tools.tracefile import read_spans
 
     trace_file = tmp_path / "journeys.otlp.jsonl"
     server = start_server(
-        model_dir, tmp_path, receiver, "3proc",
+        model_dir, tmp_path, module_receiver, "3proc",
         env={"OTEL_TRACES_EXPORTER": "otlp_json_file", "VLLM_JOURNEY_OTEL_FILE": str(trace_file)},
     )  # fmt: skip
     try:
@@ -473,7 +418,7 @@ def test_trace_file_and_summary(model_dir, receiver, tmp_path) -> None:  # type:
     assert d["tokens"]["input"] == sum(u.prompt_tokens for u in usages)
     assert d["phases_ms"]["decode"]["count"] == 8
     roots = [s for s in read_spans([trace_file]) if s.name == S.SPAN_REQUEST]
-    # The file exporter replaced OTLP: none of these traces reached the receiver.
-    assert not {s.context.trace_id for s in wire_spans(receiver)} & {
+    # The file exporter replaced OTLP: none of these traces reached the module_receiver.
+    assert not {s.context.trace_id for s in wire_spans(module_receiver)} & {
         int(r.trace_id, 16) for r in roots
     }

@@ -50,14 +50,6 @@ class Batches(SpanExporter):
 
 
 @pytest.fixture
-def receiver() -> Iterator[Receiver]:
-    r = Receiver()
-    r.start_grpc()
-    yield r
-    r.stop()
-
-
-@pytest.fixture
 def proxy(receiver: Receiver) -> Iterator[FaultProxy]:
     p = FaultProxy(receiver.grpc_port)
     yield p

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,14 +31,6 @@ SUMMARY = re.compile(
     r"(\d+) left unexported at exit, (\d+) journeys dropped in the engine core, "
     r"(\d+) malformed client inputs ignored"
 )
-
-
-@pytest.fixture
-def receiver() -> Iterator[Receiver]:
-    r = Receiver()
-    r.start_grpc()
-    yield r
-    r.stop()
 
 
 def _process_mode(monkeypatch: pytest.MonkeyPatch, endpoint_port: int, **env: str) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import import_harness, requires_vllm
-from test_scheduler_journeys import SCHEDULERS, assert_no_state_left
+from scheduling import SCHEDULERS, assert_no_state_left
 from trees import check_invariants, expected_shape
 from vllm_journey_otel import schema as S
 

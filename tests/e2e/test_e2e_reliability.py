@@ -32,7 +32,7 @@ from conftest import requires_vllm
 from fault_proxy import BLACKHOLE, DOWN, FORWARD, FaultProxy
 from otlp_receiver import Receiver, wire_spans
 from services import VllmServer, metric_value, wait_until
-from test_e2e_serve import client, journeys_in_trace, new_traceparent, start_server
+from serving import client, journeys_in_trace, new_traceparent, start_server
 from trees import check_invariants
 from vllm_journey_otel import schema as S
 
@@ -41,22 +41,7 @@ pytestmark = [requires_vllm, pytest.mark.e2e]
 # Long enough that every request is still decoding when the SIGTERM lands.
 MAX_TOKENS = 4000
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="session")
-def model_dir() -> Path:
-    from fixtures.tiny_model import build
-
-    return build(ROOT / ".cache" / "tiny-llama")
-
-
-@pytest.fixture
-def receiver() -> Iterator[Receiver]:
-    r = Receiver()
-    r.start_grpc()
-    yield r
-    r.stop()
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _exporter_pids(endpoint: str) -> list[int]:

@@ -1,0 +1,69 @@
+"""A real `vllm serve` for the end-to-end tests, and reading its journeys back.
+
+Helpers shared by the test modules under tests/e2e/ (they import this, never
+each other).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from otlp_receiver import Receiver, wire_spans
+from services import VllmServer, wait_until
+from trees import Node, journeys
+from vllm_journey_otel import schema as S
+
+# VLLM_ENABLE_V1_MULTIPROCESSING=0: API server + engine core (worker inside it);
+# default: API server + engine core + worker.
+LAYOUTS = ["2proc", "3proc"]
+
+
+def start_server(model_dir: Path, tmp: Path, receiver: Receiver, layout: str, **kw) -> VllmServer:  # type: ignore[no-untyped-def]
+    env = {
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{receiver.grpc_port}",
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc",
+        **kw.pop("env", {}),
+    }
+    server = VllmServer(
+        model_dir, tmp / f"vllm-{layout}.log", env, multiprocessing=layout == "3proc", **kw
+    )
+    try:
+        server.wait_ready()
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def client(server: VllmServer):  # type: ignore[no-untyped-def]
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def new_traceparent() -> tuple[str, int, int]:
+    trace_id = random.getrandbits(128) | 1
+    span_id = random.getrandbits(64) | 1
+    return f"00-{trace_id:032x}-{span_id:016x}-01", trace_id, span_id
+
+
+def journeys_in_trace(
+    receiver: Receiver, trace_id: int, count: int = 1, timeout: float = 30.0
+) -> list[Node]:
+    def found() -> list[Node]:
+        ours = [
+            s
+            for s in wire_spans(receiver)
+            if s.name in S.SPAN_NAMES and s.context.trace_id == trace_id
+        ]
+        roots = list(journeys(ours).values())  # type: ignore[arg-type]
+        return roots if len(roots) >= count else []
+
+    return wait_until(found, timeout, 0.2, f"{count} journey(s) in trace {trace_id:032x}")  # type: ignore[no-any-return]
+
+
+def assert_parented(root: Node, trace_id: int, span_id: int) -> None:
+    parent = root.span.parent
+    assert root.span.context.trace_id == trace_id
+    assert parent is not None and parent.span_id == span_id
