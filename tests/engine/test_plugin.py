@@ -69,6 +69,7 @@ def test_plugin_off_changes_nothing() -> None:
         from vllm.v1.core.sched.scheduler import Scheduler
         before = {{n: Scheduler.__dict__.get(n) for n in {HOOKED!r}}}
         from vllm_journey_otel.plugin import register
+        loaded = set(sys.modules)  # vLLM 0.30 imports the SDK itself, for its own tracing
         for value in (None, "0", "", "false", " False ", "no", "off", "OFF"):
             if value is None:
                 os.environ.pop("VLLM_JOURNEY_OTEL", None)
@@ -77,7 +78,8 @@ def test_plugin_off_changes_nothing() -> None:
             register()
         after = {{n: Scheduler.__dict__.get(n) for n in before}}
         assert before == after, "methods changed"
-        assert "opentelemetry.sdk.trace" not in sys.modules, "SDK imported while off"
+        new = set(sys.modules) - loaded
+        assert not any(m.startswith("opentelemetry") for m in new), "SDK imported while off"
         ours = sorted(m for m in sys.modules if m.startswith("vllm_journey_otel."))
         assert ours == ["vllm_journey_otel.plugin", "vllm_journey_otel.switch"], ours
         print("UNCHANGED")
@@ -226,6 +228,37 @@ def test_a_target_left_out_takes_its_group_and_says_what_is_lost(caplog) -> None
     assert all(t.without for t in left_out), "each optional target says what is lost"
 
 
+def test_a_moved_module_keeps_tracing_off_and_names_it(monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    """A release that moves the Scheduler's module (vLLM's package reorganisation)."""
+    from vllm_journey_otel.engine import compat
+
+    before = _scheduler_methods()
+    moved = "vllm.v1.core.sched.scheduler_moved"
+    monkeypatch.setitem(compat.MODULES, compat.SCHEDULER, moved)
+    with caplog.at_level(logging.WARNING, logger="vllm.journey_otel"):
+        assert not hooks.install(Config(enabled=True))
+    assert f"{moved}.Scheduler cannot be imported" in caplog.text
+    assert "stays off" in caplog.text and "Traceback" not in caplog.text
+    assert _scheduler_methods() == before and not hooks.enabled()
+
+
+def test_a_moved_frontend_class_leaves_its_group_out_and_says_so(monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    from vllm_journey_otel.engine import compat
+
+    monkeypatch.setitem(compat.MODULES, compat.OUTPUT_PROCESSOR, "vllm.v1.engine.gone")
+    try:
+        with caplog.at_level(logging.INFO, logger="vllm.journey_otel"):
+            assert hooks.install(
+                Config(enabled=True), exporters=[InMemorySpanExporter()], batch=False
+            )
+        assert "AsyncLLM.add_request" in caplog.text and "--otlp-traces-endpoint" in caplog.text
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        assert not hasattr(AsyncLLM.add_request, "__wrapped__")
+    finally:
+        hooks.uninstall()
+
+
 def test_check_is_data_driven() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -296,3 +329,22 @@ def test_vllm_version_under_test() -> None:
     if expected is None:
         pytest.skip("VJO_EXPECT_VLLM not set (CI sets it)")
     assert vllm.__version__.split("+")[0] == expected
+
+
+def test_fields_that_differ_between_releases_are_chosen_by_version() -> None:
+    from vllm_journey_otel.engine.compat import SKIPPED_REQUESTS, field_name
+
+    both = type("Both", (), {"deferred_waiting": set(), "skipped_waiting": []})()
+    assert field_name(SKIPPED_REQUESTS, "0.30.0", both) == "skipped_waiting"
+    assert field_name(SKIPPED_REQUESTS, "0.31.0", both) == "deferred_waiting"
+    assert field_name(SKIPPED_REQUESTS, "0.33.1.dev4+gabc", both) == "deferred_waiting"
+    old_only = type("Old", (), {"skipped_waiting": []})()
+    assert (
+        field_name(SKIPPED_REQUESTS, "0.29.0", old_only) == "skipped_waiting"
+    )  # unknown: what exists
+    assert field_name(SKIPPED_REQUESTS, "0.31.0", type("Neither", (), {})()) is None
+    # The vLLM under test: a real Scheduler has the field its release is listed with.
+    e = _engine()
+    version = hooks._vllm()[0]
+    name = field_name(SKIPPED_REQUESTS, version, e.scheduler)
+    assert name == ("skipped_waiting" if version.startswith("0.30.") else "deferred_waiting")

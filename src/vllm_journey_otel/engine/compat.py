@@ -19,16 +19,25 @@ from typing import Final
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-# Versions whose code was read and is tested (tests/ drive both).
-SUPPORTED_VLLM: Final = SpecifierSet(">=0.32,<0.34")
+# Versions whose code was read and is tested (tests/ drive all four at scheduler
+# level; `vllm serve` end to end on 0.32, the CPU build here).
+SUPPORTED_VLLM: Final = SpecifierSet(">=0.30,<0.34")
 
-# The classes we patch, by the name the table uses (engine/state.py imports them:
-# vllm.v1.core.sched.scheduler.Scheduler, vllm.v1.engine.async_llm.AsyncLLM,
-# vllm.v1.engine.output_processor.OutputProcessor, vllm.v1.engine.utils.CoreEngineProcManager).
+# The classes we patch, by the name the table uses, and the module each is
+# imported from (engine/state.py), the same in 0.30 to 0.33. A release that
+# moves one (vLLM's package reorganisation, RFC vllm#54653) is named in the log.
 SCHEDULER: Final = "Scheduler"
 ASYNC_LLM: Final = "AsyncLLM"
 OUTPUT_PROCESSOR: Final = "OutputProcessor"
 PROC_MANAGER: Final = "CoreEngineProcManager"
+REQUEST_STATUS: Final = "RequestStatus"
+MODULES: Final[dict[str, str]] = {
+    SCHEDULER: "vllm.v1.core.sched.scheduler",
+    REQUEST_STATUS: "vllm.v1.request",
+    ASYNC_LLM: "vllm.v1.engine.async_llm",
+    OUTPUT_PROCESSOR: "vllm.v1.engine.output_processor",
+    PROC_MANAGER: "vllm.v1.engine.utils",
+}
 
 
 @dataclass(frozen=True)
@@ -94,6 +103,42 @@ TARGETS: Final[tuple[Target, ...]] = (
     ),
 )
 
+
+@dataclass(frozen=True)
+class Field:
+    """A field of vLLM's objects the hooks read, where releases differ."""
+
+    role: str  # what the hooks read it for
+    owner: str
+    name: str
+    versions: SpecifierSet  # the releases that have it for that role
+
+
+SKIPPED_REQUESTS: Final = "the waiting requests schedule() skipped"
+FIELDS: Final[tuple[Field, ...]] = (
+    # 0.31 and later: a set of the skipped requests, which stay in ``waiting``.
+    Field(SKIPPED_REQUESTS, SCHEDULER, "deferred_waiting", SpecifierSet(">=0.31")),
+    # 0.30: the skipped requests leave ``waiting`` for a queue of their own.
+    Field(SKIPPED_REQUESTS, SCHEDULER, "skipped_waiting", SpecifierSet(">=0.30,<0.31")),
+)
+
+
+def field_name(role: str, version: str, obj: object) -> str | None:
+    """The field ``obj`` has for ``role`` on this vLLM: the one whose releases
+    include ``version``; for a release the table does not know, the first one
+    ``obj`` has (None: none, the role's attributes stay absent)."""
+    fields = [f for f in FIELDS if f.role == role]
+    try:
+        v = Version(version)
+        known = [f for f in fields if f.versions.contains(v, prereleases=True)]
+    except InvalidVersion:
+        known = []
+    for f in known or fields:
+        if hasattr(obj, f.name):
+            return f.name
+    return None
+
+
 # Scheduler methods we wrap -> parameter names they must accept (after self).
 REQUIRED_METHODS: Final = {t.method: t.params for t in TARGETS if t.required}
 
@@ -146,7 +191,9 @@ def check(version: str, scheduler_cls: type) -> Support:
     return Support(
         True,
         f"vLLM {version} is outside the tested range vllm{SUPPORTED_VLLM}, but every "
-        "hooked Scheduler method is present; enabling",
+        "hooked Scheduler method is present with the expected parameters; enabling "
+        "(not checked on this version: the request statuses and the fields of vLLM's "
+        "requests and outputs the hooks read; a mismatch switches tracing off with a warning)",
         hook_preempt,
     )
 

@@ -23,6 +23,7 @@ from vllm_journey_otel.engine.compat import (
     OUTPUT_PROCESSOR,
     PROC_MANAGER,
     SCHEDULER,
+    SUPPORTED_VLLM,
     check,
     patchable,
 )
@@ -50,6 +51,7 @@ from vllm_journey_otel.engine.state import (
     _STATE,
     JOURNEY_ATTR,
     TRACKER_ATTR,
+    VllmMoved,
     _engine_proc_manager,
     _frontend_classes,
     _vllm,
@@ -153,7 +155,16 @@ def install(
             if sdk_disabled():
                 logger.info("journey-otel: OTEL_SDK_DISABLED=true, journey tracing stays off")
                 return False
-            version, scheduler_cls, request_status, _ = _vllm()
+            try:
+                version, scheduler_cls, request_status, _ = _vllm()
+            except VllmMoved as exc:
+                logger.warning(
+                    "journey-otel: this vLLM does not have what the plugin hooks: %s; "
+                    "journey tracing stays off (supported: vllm%s)",
+                    exc,
+                    SUPPORTED_VLLM,
+                )
+                return False
             _declare_env_vars()
             support = check(version, scheduler_cls)
             if not support.ok:

@@ -9,6 +9,7 @@ timestamps.
 
 from __future__ import annotations
 
+import importlib
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -17,7 +18,15 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from vllm_journey_otel.config import Config
-from vllm_journey_otel.engine.compat import Support
+from vllm_journey_otel.engine.compat import (
+    ASYNC_LLM,
+    MODULES,
+    OUTPUT_PROCESSOR,
+    PROC_MANAGER,
+    REQUEST_STATUS,
+    SCHEDULER,
+    Support,
+)
 from vllm_journey_otel.engine.pipeline import JourneyPipeline
 from vllm_journey_otel.engine.sampling import HeadSampler, TailRule
 from vllm_journey_otel.log import logger
@@ -30,33 +39,46 @@ TRACKER_ATTR = "_vjo_tracker"
 JOURNEY_ATTR = "_vjo_journey"
 
 
+class VllmMoved(ImportError):
+    """A class we need is not where compat.MODULES says (the message names it)."""
+
+
+def _class(name: str) -> type:
+    """A class of the target table from the module compat.MODULES names."""
+    module = MODULES[name]
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise VllmMoved(f"{module}.{name} cannot be imported ({exc})") from exc
+    if not isinstance(cls, type):
+        raise VllmMoved(f"{module}.{name} is not a class")
+    return cls
+
+
 def _vllm() -> tuple[str, type, type, Any]:
-    """Import what we need from vLLM (here and only here)."""
+    """Import what we need from vLLM (here and only here); VllmMoved names what
+    is missing."""
     import vllm
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.request import RequestStatus
 
     version = str(getattr(vllm, "__version__", "0"))
-    return version, Scheduler, RequestStatus, vllm
+    return version, _class(SCHEDULER), _class(REQUEST_STATUS), vllm
+
+
+def _optional_class(name: str) -> type | None:
+    try:
+        return _class(name)
+    except VllmMoved:
+        return None
 
 
 def _engine_proc_manager() -> type | None:
     """CoreEngineProcManager (API-server side: starts and stops engine cores)."""
-    try:
-        from vllm.v1.engine.utils import CoreEngineProcManager
-    except Exception:
-        return None
-    return CoreEngineProcManager if isinstance(CoreEngineProcManager, type) else None
+    return _optional_class(PROC_MANAGER)
 
 
 def _frontend_classes() -> tuple[type | None, type | None]:
     """AsyncLLM and OutputProcessor (API-server side), or None where missing."""
-    try:
-        from vllm.v1.engine.async_llm import AsyncLLM
-        from vllm.v1.engine.output_processor import OutputProcessor
-    except Exception:
-        return None, None
-    return AsyncLLM, OutputProcessor
+    return _optional_class(ASYNC_LLM), _optional_class(OUTPUT_PROCESSOR)
 
 
 class _State:

