@@ -19,6 +19,8 @@ from typing import Final
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from vllm_journey_otel import schema as S
+
 # Versions whose code was read and is tested (tests/ drive all four at scheduler
 # level; `vllm serve` end to end on 0.32, the CPU build here).
 SUPPORTED_VLLM: Final = SpecifierSet(">=0.30,<0.34")
@@ -137,6 +139,25 @@ def field_name(role: str, version: str, obj: object) -> str | None:
         if hasattr(obj, f.name):
             return f.name
     return None
+
+
+# vLLM's request statuses, by name (the same in 0.30 to 0.33; a name a release
+# lacks is skipped, a status a release adds ends a journey as aborted, reason
+# unknown). Terminal ones -> our finish status and vLLM's finish reason:
+FINISHED_STATUSES: Final[dict[str, tuple[str, str]]] = {
+    "FINISHED_STOPPED": (S.FINISH_STOPPED, "stop"),
+    "FINISHED_LENGTH_CAPPED": (S.FINISH_LENGTH, "length"),
+    "FINISHED_ABORTED": (S.FINISH_ABORTED, "abort"),
+    "FINISHED_IGNORED": (S.FINISH_IGNORED, "length"),
+    "FINISHED_ERROR": (S.FINISH_ERROR, "error"),
+    # A stop on a detected repetition loop: "stopped", reason "repetition".
+    "FINISHED_REPETITION": (S.FINISH_STOPPED, "repetition"),
+}
+# ... and those that mean "waiting for something specific" -> the wait's reason.
+WAITING_STATUSES: Final[dict[str, str]] = {
+    "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR": S.WAIT_GRAMMAR,
+    "WAITING_FOR_REMOTE_KVS": S.WAIT_REMOTE_KV,
+}
 
 
 # Scheduler methods we wrap -> parameter names they must accept (after self).

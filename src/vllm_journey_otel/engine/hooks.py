@@ -17,13 +17,16 @@ from typing import Any
 
 from opentelemetry.sdk.trace.export import SpanExporter
 
+from vllm_journey_otel import schema as S
 from vllm_journey_otel.config import ALL_VARIABLES, Config, sdk_disabled
 from vllm_journey_otel.engine.compat import (
     ASYNC_LLM,
+    FINISHED_STATUSES,
     OUTPUT_PROCESSOR,
     PROC_MANAGER,
     SCHEDULER,
     SUPPORTED_VLLM,
+    WAITING_STATUSES,
     check,
     patchable,
 )
@@ -57,15 +60,7 @@ from vllm_journey_otel.engine.state import (
     _vllm,
 )
 from vllm_journey_otel.engine.tracker import (
-    _STATUS_WAITS,
     SchedulerTracker,
-)
-from vllm_journey_otel.journey import (
-    STATUS_ABORTED,
-    STATUS_ERROR,
-    STATUS_IGNORED,
-    STATUS_LENGTH,
-    STATUS_STOPPED,
 )
 from vllm_journey_otel.log import logger
 
@@ -105,18 +100,10 @@ WRAPPERS: dict[tuple[str, str], Callable[[Callable[..., Any]], Callable[..., Any
 
 
 def _status_map(request_status: Any) -> dict[Any, tuple[int, str]]:
-    table = {
-        "FINISHED_STOPPED": (STATUS_STOPPED, "stop"),
-        "FINISHED_LENGTH_CAPPED": (STATUS_LENGTH, "length"),
-        "FINISHED_ABORTED": (STATUS_ABORTED, "abort"),
-        "FINISHED_IGNORED": (STATUS_IGNORED, "length"),
-        "FINISHED_ERROR": (STATUS_ERROR, "error"),
-        # A stop on a detected repetition loop: "stopped", reason "repetition".
-        "FINISHED_REPETITION": (STATUS_STOPPED, "repetition"),
-    }
+    """vLLM's terminal statuses -> (our finish status index, vLLM's finish reason)."""
     return {
-        getattr(request_status, name): value
-        for name, value in table.items()
+        getattr(request_status, name): (S.FINISH_STATUSES.index(status), reason)
+        for name, (status, reason) in FINISHED_STATUSES.items()
         if hasattr(request_status, name)
     }
 
@@ -178,8 +165,8 @@ def install(
             _STATE.status_map = _status_map(request_status)
             _STATE.streaming_status = getattr(request_status, "WAITING_FOR_STREAMING_REQ", None)
             _STATE.status_waits = {
-                getattr(request_status, name): reason
-                for name, reason in _STATUS_WAITS.items()
+                getattr(request_status, name): S.WAIT_REASONS.index(reason)
+                for name, reason in WAITING_STATUSES.items()
                 if hasattr(request_status, name)
             }
             # Read once per process; trackers built from now on use them.

@@ -1,13 +1,11 @@
 """Journey bookkeeping of one vLLM Scheduler: the tracker the wrappers call.
 
-Engine-core process, engine-core thread (vLLM's busy loop), inside the wrapped
-Scheduler methods. Each method copies a few integers and one
-``time.monotonic_ns()`` stamp (engine monotonic clock, ``*_mono_ns``) into the
-request's :class:`~vllm_journey_otel.journey.RequestJourney`, never calls
-OpenTelemetry and never loops over the whole batch: per step it touches only the
-requests scheduled for the first time or resumed, those still waiting for the
-first token of a cycle, and, where configured, the waiting requests vLLM
-skipped, the blocked ones and the drafts of a speculative step.
+Engine-core process and thread (vLLM's busy loop), inside the wrapped Scheduler
+methods. Each copies a few integers and one ``time.monotonic_ns()`` stamp
+(engine monotonic, ``*_mono_ns``) into the request's ``RequestJourney``, never
+calls OpenTelemetry and never loops over the whole batch: per step only the
+requests scheduled or resumed, those awaiting a cycle's first token and, where
+configured, the skipped and blocked ones and a speculative step's drafts.
 """
 
 from __future__ import annotations
@@ -31,11 +29,6 @@ _WAIT_STREAMING = S.WAIT_REASONS.index(S.WAIT_STREAMING_INPUT)
 _WAIT_REMOTE_KV = S.WAIT_REASONS.index(S.WAIT_REMOTE_KV)
 # A request status vLLM added after this was written: ended, reason unknown.
 _UNKNOWN_STATUS = (STATUS_ABORTED, "abort")
-# vLLM request statuses that mean "waiting for something specific" -> wait reason.
-_STATUS_WAITS = {
-    "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR": S.WAIT_REASONS.index(S.WAIT_GRAMMAR),
-    "WAITING_FOR_REMOTE_KVS": S.WAIT_REASONS.index(S.WAIT_REMOTE_KV),
-}
 
 
 class SchedulerTracker:
