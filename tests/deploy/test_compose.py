@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 from deploy_kit import (
@@ -32,6 +34,7 @@ from deploy_kit import (
     rel,
 )
 
+from conftest import requires_vllm
 from vllm_journey_otel import config as C
 
 
@@ -154,7 +157,10 @@ def test_compose_holds_no_secrets() -> None:
         env = service.get("environment", {})
         for var, value in env.items():
             if re.search(r"PASSWORD|SECRET|TOKEN|API_KEY", var):
-                assert str(value).startswith("${") and str(value).endswith(":-}"), (
+                passed_through = value is None or (
+                    str(value).startswith("${") and str(value).endswith(":-}")
+                )
+                assert passed_through, (
                     f"{name}: {var} must come from the caller's environment, not the file"
                 )
 
@@ -189,3 +195,101 @@ def test_docker_compose_config_validates(tmp_path: Path) -> None:
         check=False,
     )
     assert run.returncode != 0 and "otel-agnt" in run.stderr, run.stderr
+
+
+# ---------------------------------------------------------------------------
+# Every variable the file sets is one its image reads
+# ---------------------------------------------------------------------------
+# Grafana reads GF_<SECTION>_<KEY> for a setting of its conf/defaults.ini
+# (sections upper-cased, "." and "-" as "_"); no Grafana runs here, so these are
+# the settings the kit uses, as Grafana 12.1's defaults.ini names them.
+GRAFANA_SETTINGS = {
+    ("security", "admin_password"),
+    ("auth.anonymous", "enabled"),
+    ("auth.anonymous", "org_role"),
+    ("users", "default_theme"),
+    ("dashboards", "default_home_dashboard_path"),
+}
+
+
+def grafana_env(section: str, key: str) -> str:
+    return "GF_" + re.sub(r"[.-]", "_", section).upper() + "_" + key.upper()
+
+
+def mounted_config_env(service: dict[str, Any]) -> set[str]:
+    """The ${env:NAME} variables the collector configs mounted into a service read."""
+    names: set[str] = set()
+    for volume in service.get("volumes", []):
+        source = ROOT / volume.split(":", 1)[0]
+        if source.is_file():
+            names |= set(re.findall(r"\$\{env:([A-Z_][A-Z0-9_]*)", source.read_text()))
+    return names
+
+
+def vllm_image_env() -> set[str]:
+    """What vLLM, the OpenTelemetry SDK, huggingface_hub and this plugin read."""
+    import huggingface_hub.utils._auth as hub_auth
+    import opentelemetry.sdk.environment_variables as otel_env
+    import vllm.envs
+
+    # huggingface_hub reads its token with os.environ.get("HF_TOKEN") (utils/_auth.py).
+    hub = Path(hub_auth.__file__).read_text()
+    known = set(vllm.envs.environment_variables) | set(C.ALL_VARIABLES)
+    known |= {v for k, v in vars(otel_env).items() if k.startswith("OTEL_") and isinstance(v, str)}
+    known |= set(re.findall(r'os\.environ\.get\("([A-Z_]+)"\)', hub))
+    return known
+
+
+def env_problems(services: dict[str, Any]) -> list[str]:
+    problems = []
+    grafana_known = {grafana_env(*s) for s in GRAFANA_SETTINGS}
+    for name, service in services.items():
+        env = set(service.get("environment") or {})
+        image = service.get("image", "")
+        if "opentelemetry-collector" in image:
+            known = mounted_config_env(service)
+        elif "grafana/grafana" in image:
+            known = grafana_known
+        elif name.startswith("vllm-"):
+            known = vllm_image_env()
+        else:
+            known = set()
+        problems += [
+            f"{name}: {var} is read by nothing in its image" for var in sorted(env - known)
+        ]
+    return problems
+
+
+@requires_vllm
+def test_every_environment_variable_is_known_to_its_image() -> None:
+    assert env_problems(SERVICES) == []
+    broken = json.loads(json.dumps(SERVICES))
+    broken["grafana"]["environment"]["GF_ADMIN_PASSWORD"] = "x"  # not a Grafana setting
+    broken["otel-gateway"]["environment"]["SLOW_JOURNEY_MSEC"] = "1"
+    broken["vllm-cpu"]["environment"]["VLLM_JOURNEY_OTEL_TAILS"] = "error"
+    assert len(env_problems(broken)) == 3
+
+
+def test_grafana_admin_password_is_passed_through() -> None:
+    env = SERVICES["grafana"]["environment"]
+    assert grafana_env("security", "admin_password") in env
+
+
+def docker_runs(dockerfile: Path) -> list[str]:
+    """The RUN instructions of a Dockerfile, continuation lines joined."""
+    text = dockerfile.read_text().replace("\\\n", " ")
+    return [line[4:] for line in text.splitlines() if line.startswith("RUN ")]
+
+
+def test_the_cpu_image_installs_no_test_tools() -> None:
+    runs = docker_runs(DEPLOY / "vllm" / "Dockerfile.cpu")
+    setup = [r for r in runs if "scripts/setup.sh" in r]
+    assert setup, "the CPU image is built with scripts/setup.sh"
+    assert not any("--with-test-tools" in r or "[test]" in r for r in runs)
+    # setup.sh installs the test extra only when asked, and refuses what it does not know.
+    text = (ROOT / "scripts" / "setup.sh").read_text()
+    assert "SPEC='.[test]'" in text.split("--with-test-tools)", 1)[1].split(";;", 1)[0]
+    bad = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "setup.sh"), "--test"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "usage" in bad.stderr

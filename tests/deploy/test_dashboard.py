@@ -7,6 +7,7 @@ import importlib.util
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from deploy_kit import (
@@ -14,6 +15,7 @@ from deploy_kit import (
     DASHBOARDS_DIR,
     DATASOURCE_UIDS,
     DATASOURCES,
+    GATEWAY,
     GATEWAY_DIMS,
     GENERATOR,
     RESOURCE_KEYS,
@@ -202,3 +204,96 @@ def test_every_promised_attribute_is_emitted_by_real_journeys(tracing) -> None: 
         if not ok:
             missing.append((sorted(names or []), key))
     assert missing == []
+
+
+# ---------------------------------------------------------------------------
+# Units: what each latency query returns, against the panel's unit
+# ---------------------------------------------------------------------------
+# The gateway's spanmetrics histogram is in the unit its config names (ms, which
+# also puts `_milliseconds` in the metric's name); Tempo's metrics generator
+# observes span latency in seconds (its traces_spanmetrics_latency buckets), and
+# TraceQL's quantile_over_time(duration) answers in seconds too.
+UNIT_NAMES = {"ms": "ms", "s": "s", "us": "µs"}
+
+
+def latency_unit(ds_type: str, text: str) -> tuple[str, bool] | None:
+    """(the unit a latency query's values are in, whether the query scales them),
+    or None for a query that is no latency quantile."""
+    gateway_unit = UNIT_NAMES[GATEWAY["connectors"]["spanmetrics"]["histogram"]["unit"]]
+    if ds_type == "prometheus":
+        if "histogram_quantile(" not in text:
+            return None
+        base = "s" if TEMPO_LATENCY in text else gateway_unit if GATEWAY_LATENCY in text else None
+        if base is None:
+            return None
+        if re.search(r"\)\s*/\s*1000\s*$", text):
+            return {"ms": "s", "s": "ks"}[base], True
+        if re.match(r"^\s*1000\s*\*", text):
+            return {"s": "ms", "ms": "µs"}[base], True
+        return base, False
+    m = re.search(r"quantile_over_time\(\s*([\w.]+)", text)
+    if m is None:
+        return None
+    field = m.group(1)
+    if field == "duration":
+        return "s", False
+    suffix = field.rsplit("_", 1)[-1]
+    return (UNIT_NAMES[suffix], False) if suffix in UNIT_NAMES else None
+
+
+TEMPO_LATENCY = "traces_spanmetrics_latency_bucket"
+GATEWAY_LATENCY = "traces_span_metrics_duration_milliseconds_bucket"
+
+
+def unit_problems(dashboard: dict[str, Any]) -> list[str]:
+    problems = []
+    for panel in all_panels(dashboard):
+        unit = panel.get("fieldConfig", {}).get("defaults", {}).get("unit")
+        for t in panel.get("targets", []):
+            ds = (t.get("datasource") or panel["datasource"])["type"]
+            got = latency_unit(ds, t.get("expr") or t.get("query") or "")
+            if got is None:
+                continue
+            value_unit, scaled = got
+            if value_unit != unit:
+                problems.append(
+                    f"{panel['title']} {t['refId']}: values in {value_unit}, panel {unit}"
+                )
+            if t.get("exemplar") and scaled:
+                # Grafana draws exemplars at the raw observed value: a scale
+                # factor in the query moves the line, not its exemplars.
+                problems.append(f"{panel['title']} {t['refId']}: scaled query with exemplars")
+    return problems
+
+
+@pytest.mark.parametrize("path", DASHBOARD_FILES, ids=rel)
+def test_latency_panels_units_match_their_queries_and_exemplars(path: Path) -> None:
+    dashboard = load(path)
+    assert unit_problems(dashboard) == []
+    checked = [
+        t
+        for p in all_panels(dashboard)
+        for t in p.get("targets", [])
+        if latency_unit(
+            (t.get("datasource") or p["datasource"])["type"], t.get("expr") or t.get("query") or ""
+        )
+    ]
+    assert len(checked) >= 20, "the latency queries were not found"
+
+
+def test_unit_check_catches_scaled_exemplars_and_wrong_units() -> None:
+    q = f'histogram_quantile(0.99, sum by (le) (rate({TEMPO_LATENCY}{{span_name="x"}}[1m])))'
+    ms = f'histogram_quantile(0.5, sum by (le) (rate({GATEWAY_LATENCY}{{span_name="x"}}[1m])))'
+
+    def board(unit: str, *targets: dict[str, Any]) -> dict[str, Any]:
+        panel = {"title": "p", "datasource": {"type": "prometheus"}, "targets": list(targets)}
+        panel["fieldConfig"] = {"defaults": {"unit": unit}}
+        return {"panels": [panel]}
+
+    def prom(expr: str, exemplar: bool = False) -> dict[str, Any]:
+        return {"refId": "A", "expr": expr, "exemplar": exemplar}
+
+    assert unit_problems(board("s", prom(q, True), prom(ms + " / 1000"))) == []
+    assert unit_problems(board("ms", prom("1000 * " + q, True)))  # exemplars 1000x off
+    assert unit_problems(board("s", prom(ms)))  # ms plotted as s
+    assert unit_problems(board("ms", prom(q)))

@@ -62,3 +62,21 @@ def test_manual_queries_use_schema_names(page: Path) -> None:
                 checked += 1
     if page.name in ("howto-tempo.md", "howto-grafana.md"):
         assert checked >= 3, "the how-to's queries were not found"
+
+
+KIT_PATH = re.compile(
+    r"(?<![\w/.-])((?:deploy|collector-config|scripts|benchmarks|examples)/[\w./-]*[\w/]"
+    r"|docker-compose\.yml)"
+)
+
+
+@pytest.mark.parametrize(
+    "page",
+    [ROOT / "README.md", DOCS / "quickstart.md", DOCS / "verification.md"],
+    ids=rel,
+)
+def test_the_quickstart_names_only_files_that_exist(page: Path) -> None:
+    named = set(KIT_PATH.findall(page.read_text()))
+    assert named, "no file names found: the pattern is wrong"
+    missing = sorted(p for p in named if not (ROOT / p).exists())
+    assert missing == [], f"{rel(page)} names files that do not exist"
