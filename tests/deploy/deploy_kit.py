@@ -149,7 +149,10 @@ OTELCOL_LABELS |= {"sampled"}
 
 
 # Tokens in deploy/ files that look like schema names: vllm.* and gen_ai.*.
-SCHEMA_TOKEN = re.compile(r"(?<![\w/-])(?:vllm|gen_ai)(?:\.[a-z_]+)+")
+# File names (vllm.yaml) are not names.
+SCHEMA_TOKEN = re.compile(
+    r"(?<![\w/-])(?:vllm|gen_ai)(?:\.[a-z_]+)+(?!\w)(?<!\.yaml)(?<!\.yml)(?<!\.json)"
+)
 
 
 # ---------------------------------------------------------------------------
