@@ -703,7 +703,8 @@ def build() -> dict[str, Any]:
                     "refused, {{instance}}",
                 ),
                 prom(
-                    f"sum by (instance, exporter) ({otelcol_rate('otelcol_exporter_send_failed_spans')})",
+                    "sum by (instance, exporter) "
+                    f"({otelcol_rate('otelcol_exporter_send_failed_spans')})",
                     "export failed, {{instance}} {{exporter}}",
                     "B",
                 ),

@@ -197,6 +197,12 @@ class FinishedJourney(msgspec.Struct, frozen=True, array_like=True, gc=False, ta
     spec_decode: bool = False
     drafts_proposed: int = 0
     drafts_accepted: int = 0
+    # The scheduler's own counters right after admission (this request counted
+    # among the waiting): KV-cache usage 0..1, running and waiting queue lengths.
+    # None: not observed.
+    admitted_kv_cache_usage: float | None = None
+    admitted_num_running: int | None = None
+    admitted_num_waiting: int | None = None
 
 
 class StepRecord(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=11):

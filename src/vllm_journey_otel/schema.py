@@ -237,13 +237,22 @@ ATTRIBUTES: Final[tuple[AttributeSpec, ...]] = (
     AttributeSpec(PREFILL_CHUNKS, (SPAN_PREFILL,), "int", "scheduler steps carrying prefill"),
     AttributeSpec(CACHED_TOKENS, (SPAN_PREFILL,), "int", "tokens already computed at cycle start"),
     AttributeSpec(
-        KV_CACHE_USAGE, (SPAN_PREEMPTED, SPAN_STEP), "double", "KV-cache usage 0..1 at the moment"
+        KV_CACHE_USAGE,
+        (SPAN_QUEUED, SPAN_PREEMPTED, SPAN_STEP),
+        "double",
+        "KV-cache usage 0..1 at the moment",
     ),
     AttributeSpec(
-        NUM_RUNNING, (SPAN_PREEMPTED, SPAN_STEP), "int", "running queue length at the moment"
+        NUM_RUNNING,
+        (SPAN_QUEUED, SPAN_PREEMPTED, SPAN_STEP),
+        "int",
+        "running queue length at the moment",
     ),
     AttributeSpec(
-        NUM_WAITING, (SPAN_PREEMPTED, SPAN_STEP), "int", "waiting queue length at the moment"
+        NUM_WAITING,
+        (SPAN_QUEUED, SPAN_PREEMPTED, SPAN_STEP),
+        "int",
+        "waiting queue length at the moment",
     ),
     AttributeSpec(
         PREEMPTED_BY, (SPAN_PREEMPTED,), "string", "request whose KV allocation forced it"

@@ -466,3 +466,28 @@ def test_preemptions_without_the_private_hook(tracing, monkeypatch) -> None:
     assert len(j.kids(S.SPAN_PREEMPTED)) == b.num_preemptions
     # What only the private hook can read is absent, not made up.
     assert S.KV_CACHE_USAGE not in j.kids(S.SPAN_PREEMPTED)[0].attrs
+
+
+@SCHEDULERS
+def test_admission_records_the_schedulers_counters(tracing, async_scheduling: bool) -> None:
+    """The first vllm.queued carries what the engine looked like at admission: the
+    scheduler's own KV-cache usage and queue lengths, read right after add."""
+    e = harness.Engine(async_scheduling=async_scheduling)
+    s = e.scheduler
+    e.add("first", prompt_len=24, max_tokens=30)
+    seen = {"first": (s.kv_cache_manager.usage, len(s.running), len(s.waiting))}
+    e.step()
+    e.step()
+    e.add("second", prompt_len=16, max_tokens=4)
+    e.add("third", prompt_len=16, max_tokens=4)
+    seen["third"] = (s.kv_cache_manager.usage, len(s.running), len(s.waiting))
+    assert seen["third"][1] == 1 and seen["third"][0] > 0, "precondition: first is running"
+    e.run()
+    journeys = tracing.journeys()
+    for rid, (usage, running, waiting) in seen.items():
+        queued = journeys[rid].kids(S.SPAN_QUEUED)[0]
+        assert queued.attrs[S.KV_CACHE_USAGE] == usage
+        assert queued.attrs[S.NUM_RUNNING] == running
+        assert queued.attrs[S.NUM_WAITING] == waiting  # this request included
+    assert journeys["third"].kids(S.SPAN_QUEUED)[0].attrs[S.NUM_WAITING] == 2
+    assert journeys["first"].kids(S.SPAN_QUEUED)[0].attrs[S.NUM_RUNNING] == 0

@@ -100,6 +100,7 @@ class RequestJourney:
 
     __slots__ = (
         "admitted",
+        "admitted_engine",
         "arrival_time_s",
         "cycle_out_start",
         "decoding",
@@ -162,6 +163,8 @@ class RequestJourney:
         self.drafts_accepted = 0
         self.root_ids: RootIds | None = None
         self.link: LinkTarget | None = None
+        # The scheduler's counters at admission (KV usage, running, waiting).
+        self.admitted_engine: tuple[float | None, int | None, int | None] = (None, None, None)
         # Reason of the open wait inside the queue (-1: none).
         self.wait_reason = -1
         self.head_sampled = head_sampled
@@ -475,6 +478,7 @@ class RequestJourney:
             self.spec_decode,
             self.drafts_proposed,
             self.drafts_accepted,
+            *self.admitted_engine,
         )
         self.state = FINISHED
         self.events = []

@@ -144,6 +144,13 @@ class _Planner:
         queued = PlannedSpan(
             S.SPAN_QUEUED, self.at(j.admitted), self.at(queued_end), ROOT, _progress(queued_end, j)
         )
+        for key, value in (
+            (S.KV_CACHE_USAGE, j.admitted_kv_cache_usage),
+            (S.NUM_RUNNING, j.admitted_num_running),
+            (S.NUM_WAITING, j.admitted_num_waiting),
+        ):
+            if value is not None:  # missing is not zero
+                queued.attributes[key] = value
         self.plan = [root, queued]
         self.cycle = -1
         self.cycle_idx: int | None = None
