@@ -39,6 +39,7 @@ AGENT_FILE = COLLECTOR_CONFIG / "agent.yaml"
 
 
 GATEWAY_FILE = COLLECTOR_CONFIG / "gateway.yaml"
+LOADBALANCER_FILE = COLLECTOR_CONFIG / "loadbalancer.yaml"
 
 
 JAEGER_FILE = DEPLOY / "jaeger" / "config.yaml"

@@ -14,6 +14,7 @@ from deploy_kit import (
     GATEWAY_FILE,
     JAEGER_FILE,
     KIT_FILES,
+    LOADBALANCER_FILE,
     PROMETHEUS_FILE,
     SERVICES,
     TEMPO,
@@ -30,7 +31,9 @@ from conftest import import_harness, requires_vllm
 from vllm_journey_otel import schema as S
 
 
-@pytest.mark.parametrize("path", [AGENT_FILE, GATEWAY_FILE, JAEGER_FILE], ids=rel)
+@pytest.mark.parametrize(
+    "path", [AGENT_FILE, GATEWAY_FILE, LOADBALANCER_FILE, JAEGER_FILE], ids=rel
+)
 def test_collector_pipelines_are_wired(path: Path) -> None:
     assert pipeline_problems(load(path)) == []
 
