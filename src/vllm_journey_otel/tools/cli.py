@@ -1,4 +1,4 @@
-"""``vllm-journey``: summarise, draw and replay journeys from OTLP/JSON trace files.
+"""``vllm-journey``: explain, summarise, draw and replay journeys from OTLP/JSON trace files.
 
 Exit codes: 0 ok; 1 the files held no journey; 2 usage error or an unreadable
 file; 3 a replay that could not reach its endpoint, or a --png without Chromium.
@@ -17,6 +17,8 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from vllm_journey_otel.tools.explain import Selection, explanations, file_share
+from vllm_journey_otel.tools.explain_text import format_journey, format_share
 from vllm_journey_otel.tools.replay import PROTOCOLS, replay
 from vllm_journey_otel.tools.summary import SUMMARY_ATTRIBUTES, format_text, summarize
 from vllm_journey_otel.tools.timeline import collect, render
@@ -106,18 +108,56 @@ def _summary(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _reader(args: argparse.Namespace, errors: _Errors, progress: _Progress):  # type: ignore[no-untyped-def]
+    """A fresh span iterator per call (tools read the files twice); bad lines
+    are reported on the first pass only."""
+    first = [True]
+
+    def read(attributes_of: frozenset[str] | None) -> Iterable[FileSpan]:
+        report = errors if first[0] else None
+        first[0] = False
+        return read_spans(args.files, report, progress, attributes_of=attributes_of)
+
+    return read
+
+
+def _explain(args: argparse.Namespace) -> int:
+    errors, progress = _Errors(), _Progress(args.files)
+    sel = Selection(frozenset(args.request or ()), frozenset(args.trace or ()), args.slowest or 0)
+    whole = not (sel.request_ids or sel.trace_ids or sel.slowest)
+    try:
+        read = _reader(args, errors, progress)
+        if whole:
+            share = file_share(read, top=args.top)
+            found = share.journeys
+        else:
+            explained, found = explanations(read, sel)
+    except TraceFileError as e:
+        print(f"vllm-journey: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    finally:
+        progress.done()
+    errors.done()
+    if found == 0:
+        print("vllm-journey: no vllm.request spans found", file=sys.stderr)
+        return EXIT_EMPTY
+    if whole:
+        print(json.dumps(share.to_dict(), indent=2) if args.json else format_share(share))
+        return EXIT_OK
+    if not explained:
+        print("vllm-journey: no journey matches the given --request / --trace", file=sys.stderr)
+        return EXIT_EMPTY
+    if args.json:
+        print(json.dumps([e.to_dict() for e in explained], indent=2))
+    else:
+        print("\n\n".join(format_journey(e) for e in explained))
+    return EXIT_OK
+
+
 def _timeline(args: argparse.Namespace) -> int:
     errors, progress = _Errors(), _Progress(args.files)
     try:
-        first = [True]
-
-        def read(attributes_of: frozenset[str] | None) -> Iterable[FileSpan]:
-            # Bad lines are reported on the first pass only.
-            report = errors if first[0] else None
-            first[0] = False
-            return read_spans(args.files, report, progress, attributes_of=attributes_of)
-
-        rows, total = collect(read, limit=args.limit)
+        rows, total = collect(_reader(args, errors, progress), limit=args.limit)
     except TraceFileError as e:
         print(f"vllm-journey: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -174,6 +214,21 @@ def build_parser() -> argparse.ArgumentParser:
         prog="vllm-journey", description="Summarise vLLM request journeys from trace files."
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    e = sub.add_parser(
+        "explain",
+        help="where a request's time went, or a file's (share of each cause)",
+        description="For the requests named (--request, --trace, --slowest): where each "
+        "one's time went, in words and a text waterfall. For a whole file (none of "
+        "them): the share of all request-time in each cause, and the requests that "
+        "dominate it. Exit codes: 0 ok, 1 no (matching) journey, 2 unreadable file.",
+    )
+    e.add_argument("files", nargs="+", help="OTLP/JSON-lines trace files")
+    e.add_argument("--request", action="append", metavar="ID", help="a request id (repeatable)")
+    e.add_argument("--trace", action="append", metavar="ID", help="a trace id (repeatable)")
+    e.add_argument("--slowest", type=int, metavar="N", help="the N slowest requests")
+    e.add_argument("--top", type=int, default=3, help="whole file: requests listed per cause")
+    e.add_argument("--json", action="store_true", help="machine-readable output")
+    e.set_defaults(func=_explain)
     s = sub.add_parser("summary", help="per-phase latency, preemptions, statuses, tokens")
     s.add_argument("files", nargs="+", help="OTLP/JSON-lines trace files")
     s.add_argument("--json", action="store_true", help="machine-readable output")

@@ -1,0 +1,147 @@
+"""``vllm-journey explain`` in words: one journey's story and waterfall, or a
+file's causes.
+
+Runs in the CLI's process. Figures are milliseconds (from
+``tools/explain.py``, which took them from the spans' epoch-ns times). A figure
+the spans did not carry is written "not observed".
+"""
+
+from __future__ import annotations
+
+from vllm_journey_otel.tools.explain import (
+    AFTER,
+    BEFORE,
+    DECODE,
+    PREEMPTED,
+    PREFILL,
+    QUEUED,
+    RECOMPUTE,
+    WAIT,
+    Explanation,
+    FileShare,
+    label,
+)
+
+WIDTH = 60  # characters of the waterfall's time axis
+_MARK = {
+    BEFORE: ">",
+    QUEUED: "q",
+    PREFILL: "P",
+    DECODE: "d",
+    PREEMPTED: "x",
+    RECOMPUTE: "R",
+    AFTER: "<",
+}
+NOT_OBSERVED = "not observed"
+
+
+def _mark(cause: str) -> str:
+    return "w" if cause.startswith(WAIT) else _MARK.get(cause, "?")
+
+
+def _pct(v: float | None) -> str:
+    return NOT_OBSERVED if v is None else f"{100 * v:.0f}%"
+
+
+def _n(v: int | float | None) -> str:
+    return NOT_OBSERVED if v is None else str(v)
+
+
+def _engine_then(kv: float | None, running: int | None, waiting: int | None) -> str:
+    if kv is None and running is None and waiting is None:
+        return f"what the engine looked like then: {NOT_OBSERVED}"
+    return f"{_n(running)} running, {_n(waiting)} waiting, KV cache {_pct(kv)} used"
+
+
+def waterfall(e: Explanation, width: int = WIDTH) -> list[str]:
+    """One line per cause in journey order, its stretches drawn on a shared axis."""
+    scale = width / e.e2e_ms if e.e2e_ms > 0 else 0.0
+    rows: dict[str, list[str]] = {}
+    for s in e.segments:
+        row = rows.setdefault(s.cause, [" "] * width)
+        a = min(width - 1, int(s.start_ms * scale))
+        b = max(a + 1, min(width, round(s.end_ms * scale)))
+        for i in range(a, b):
+            row[i] = _mark(s.cause)
+    totals = e.by_cause()
+    return [
+        f"  {label(cause):<28} |{''.join(row)}| {totals[cause]:9.1f} ms"
+        for cause, row in rows.items()
+    ]
+
+
+def _headline(e: Explanation) -> list[str]:
+    totals = e.by_cause()
+    if not totals:
+        return ["  no phase spans found for this request"]
+    cause, ms = max(totals.items(), key=lambda kv: kv[1])
+    share = ms / e.e2e_ms if e.e2e_ms > 0 else 0.0
+    why = f"  Most of its time: {label(cause)}, {ms:.1f} ms ({100 * share:.0f}%)"
+    if cause == QUEUED:
+        why += "; at admission: " + _engine_then(*(e.admission or (None, None, None)))
+    elif cause in (PREEMPTED, RECOMPUTE):
+        named = sorted({p.by for p in e.preemptions if p.by is not None})
+        who = ", ".join(named) if named else NOT_OBSERVED
+        why += f"; preempted {len(e.preemptions)} time(s), caused by: {who}"
+    elif cause == DECODE and e.decode_ms_per_token is not None:
+        why += f"; {e.decode_tokens} tokens at {e.decode_ms_per_token:.2f} ms/token"
+    return [why + "."]
+
+
+def _details(e: Explanation) -> list[str]:
+    totals = e.by_cause()
+    lines = []
+    if QUEUED in totals or any(c.startswith(WAIT) for c in totals):
+        lines.append(
+            f"  queued {totals.get(QUEUED, 0.0):.1f} ms; at admission "
+            + _engine_then(*(e.admission or (None, None, None)))
+            + " (this request among the waiting)"
+        )
+    for cause, ms in totals.items():
+        if cause.startswith(WAIT):
+            lines.append(f"    {label(cause)}: {ms:.1f} ms")
+    for i, p in enumerate(e.preemptions, 1):
+        recompute = "never resumed" if p.recompute_ms is None else f"{p.recompute_ms:.1f} ms"
+        lines.append(
+            f"  preemption {i} at +{p.at_ms:.1f} ms by {p.by or NOT_OBSERVED}; "
+            f"{_engine_then(p.kv_cache_usage, p.num_running, p.num_waiting)}; "
+            f"preempted {p.preempted_ms:.1f} ms; recompute prefill {recompute}"
+        )
+    if PREFILL in totals:
+        lines.append(
+            f"  prefill {totals[PREFILL]:.1f} ms: {_n(e.prefill_chunks)} chunk(s), "
+            f"{_n(e.prefill_cached_tokens)} tokens from the prefix cache"
+        )
+    if DECODE in totals:
+        per = e.decode_ms_per_token
+        rate = NOT_OBSERVED if per is None else f"{per:.2f} ms/token"
+        spec = "" if e.spec_acceptance is None else f", draft acceptance {_pct(e.spec_acceptance)}"
+        lines.append(
+            f"  decode {totals[DECODE]:.1f} ms: {_n(e.decode_tokens)} tokens, {rate}{spec}"
+        )
+    for cause in (BEFORE, AFTER):
+        if cause in totals:
+            lines.append(f"  {label(cause)}: {totals[cause]:.1f} ms")
+    return lines
+
+
+def format_journey(e: Explanation) -> str:
+    head = (
+        f"{e.request_id or '(no request id)'}  trace {e.trace_id}  {e.status}, "
+        f"{e.e2e_ms:.1f} ms end to end; input {_n(e.input_tokens)} tokens "
+        f"({_n(e.cached_tokens)} cached), output {_n(e.output_tokens)}"
+    )
+    return "\n".join([head, *_headline(e), *_details(e), "  waterfall:", *waterfall(e)])
+
+
+def format_share(share: FileShare) -> str:
+    d = share.to_dict()
+    lines = [
+        f"{share.journeys} journeys, {share.total_ms / 1000:.2f} s of request-time in all; "
+        "where it went:"
+    ]
+    for c in d["causes"]:
+        top = ", ".join(f"{t['request_id']} {t['ms']:.1f} ms" for t in c["top"])
+        lines.append(f"  {label(c['cause']):<28} {100 * c['share']:5.1f}%  {c['ms']:10.1f} ms"
+                     f"   largest: {top}")  # fmt: skip
+    return "\n".join(lines)
