@@ -53,9 +53,12 @@ SAMPLED_BY = label(S.SAMPLED_BY)
 
 # Template-variable filter for PromQL, and for TraceQL (model and instance only:
 # the data-parallel rank is an int attribute, which TraceQL cannot regex-match).
+# TraceQL's are backtick (raw) strings: Grafana's regex format escapes "." and "/"
+# with a backslash, which Tempo's lexer (Go's strconv.Unquote) rejects inside
+# double quotes; in a raw string the backslash reaches the regex as it should.
 SEL = f'{MODEL}=~"$model", {INSTANCE}=~"$instance", {DP_RANK}=~"$dp_rank"'
 TQL_SEL = (
-    f'resource.{S.RES_MODEL}=~"${{model:regex}}" && resource.{S.RES_HOST}=~"${{instance:regex}}"'
+    f"resource.{S.RES_MODEL}=~`${{model:regex}}` && resource.{S.RES_HOST}=~`${{instance:regex}}`"
 )
 
 

@@ -534,3 +534,20 @@ def policies_keeping(policy_list: list[dict[str, Any]], spans: list[Any]) -> set
         raise AssertionError(f"the test's model does not know policy type {kind}")
 
     return {p["name"] for p in policy_list if keeps(p)}
+
+
+# ---------------------------------------------------------------------------
+# Template-variable selections the dashboard's queries are rendered with
+# ---------------------------------------------------------------------------
+# One value, several, and "All" (None: the variables' allValue, `.*`), with the
+# characters real model and host names have: "." "/" "-".
+SELECTIONS: dict[str, dict[str, list[str] | None]] = {
+    "one": {"model": ["Qwen/Qwen2.5-0.5B-Instruct"], "instance": ["vllm-0.node-a.svc"],
+            "dp_rank": ["0"]},
+    "several": {
+        "model": ["Qwen/Qwen2.5-0.5B-Instruct", "meta-llama/Llama-3.1-8B"],
+        "instance": ["vllm-0.node-a.svc", "vllm-1.node-b.svc"],
+        "dp_rank": ["0", "1"],
+    },
+    "all": {"model": None, "instance": None, "dp_rank": None},
+}  # fmt: skip

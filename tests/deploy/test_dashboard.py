@@ -19,6 +19,7 @@ from deploy_kit import (
     GATEWAY_DIMS,
     GENERATOR,
     RESOURCE_KEYS,
+    SELECTIONS,
     SERVICES,
     TEMPO_DIMS,
     all_panels,
@@ -28,9 +29,11 @@ from deploy_kit import (
     load,
     prom_label,
     promql_refs,
+    queries,
     rel,
     traceql_refs,
 )
+from traceql_grammar import TraceQLError, parse
 
 from conftest import import_harness, requires_vllm
 from vllm_journey_otel import schema as S
@@ -297,3 +300,52 @@ def test_unit_check_catches_scaled_exemplars_and_wrong_units() -> None:
     assert unit_problems(board("ms", prom("1000 * " + q, True)))  # exemplars 1000x off
     assert unit_problems(board("s", prom(ms)))  # ms plotted as s
     assert unit_problems(board("ms", prom(q)))
+
+
+# ---------------------------------------------------------------------------
+# TraceQL, rendered as Grafana sends it, through Tempo's grammar
+# ---------------------------------------------------------------------------
+def grafana_regex_format(values: list[str] | None) -> str:
+    """Grafana's ``${var:regex}``: each value regex-escaped with one backslash,
+    several in a group; "All" is the variable's allValue as is."""
+    if values is None:
+        return ".*"
+    escaped = [re.sub(r"[\\^$*+?.()|\[\]{}/]", lambda m: "\\" + m.group(0), v) for v in values]
+    return escaped[0] if len(escaped) == 1 else "(" + "|".join(escaped) + ")"
+
+
+def render_traceql(query: str, selection: dict[str, list[str] | None]) -> str:
+    for name, values in selection.items():
+        query = query.replace(f"${{{name}:regex}}", grafana_regex_format(values))
+    textboxes = {"slow": "10s", "min_preemptions": "1"}  # the textboxes' defaults
+    for name, value in textboxes.items():
+        query = query.replace(f"${name}", value)
+    assert "$" not in query, f"a template variable is left in {query!r}"
+    return query
+
+
+def test_grafana_regex_format_escapes_as_grafana_does() -> None:
+    assert grafana_regex_format(["Qwen/Qwen2.5"]) == "Qwen\\/Qwen2\\.5"
+    assert grafana_regex_format(["a.b", "c"]) == "(a\\.b|c)"
+
+
+@pytest.mark.parametrize("case", sorted(SELECTIONS))
+@pytest.mark.parametrize("path", DASHBOARD_FILES, ids=rel)
+def test_every_traceql_query_parses_in_tempos_grammar(path: Path, case: str) -> None:
+    tempo = [(t, q) for t, ds, q, _ in queries(load(path)) if ds == "tempo"]
+    assert len(tempo) >= 20
+    errors = []
+    for title, query in tempo:
+        try:
+            parse(render_traceql(query, SELECTIONS[case]))
+        except TraceQLError as exc:
+            errors.append(f"{title}: {exc}")
+    assert errors == []
+
+
+def test_the_grammar_rejects_grafanas_escapes_in_a_double_quoted_string() -> None:
+    one = SELECTIONS["one"]
+    quoted = 'resource.vllm.model.name=~"${model:regex}"'
+    with pytest.raises(TraceQLError):
+        parse("{" + render_traceql(quoted, one) + "}")
+    parse("{" + render_traceql(quoted.replace('"', "`"), one) + "}")

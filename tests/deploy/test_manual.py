@@ -18,6 +18,7 @@ from deploy_kit import (
     schema_token_problems,
     traceql_refs,
 )
+from traceql_grammar import parse
 
 from vllm_journey_otel import config as C
 
@@ -56,6 +57,7 @@ def test_manual_queries_use_schema_names(page: Path) -> None:
         for line in (raw.strip() for raw in block.splitlines()):
             if line.startswith("{"):
                 assert traceql_refs(line)[3] == [], line
+                parse(line)  # Tempo's grammar: raises TraceQLError
                 checked += 1
             elif "traces_span_metrics_" in line and not line.startswith("#"):
                 assert promql_refs(line, "", GATEWAY_DIMS, TEMPO_DIMS)[2] == [], line

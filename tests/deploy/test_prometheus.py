@@ -35,6 +35,7 @@ from deploy_kit import (
     DASHBOARD_FILES,
     GATEWAY,
     PROMETHEUS_FILE,
+    SELECTIONS,
     all_panels,
     load,
     prom_label,
@@ -49,16 +50,6 @@ SPAN_LABELS = {
     prom_label(S.RES_MODEL): "Qwen/Qwen2.5-0.5B-Instruct",
     prom_label(S.RES_HOST): "vllm-0.node-a.svc",
     prom_label(S.RES_DP_RANK): "0",
-}
-# One selection per case: a single value, several, and "All" (the allValue).
-SELECTIONS: dict[str, dict[str, list[str] | None]] = {
-    "one": {"model": [SPAN_LABELS[prom_label(S.RES_MODEL)]], "instance": None, "dp_rank": None},
-    "several": {
-        "model": ["Qwen/Qwen2.5-0.5B-Instruct", "meta-llama/Llama-3.1-8B"],
-        "instance": ["vllm-0.node-a.svc", "vllm-1.node-b.svc"],
-        "dp_rank": ["0", "1"],
-    },
-    "all": {"model": None, "instance": None, "dp_rank": None},
 }
 STEP_S = 15
 SPAN_MS = 80.0  # every backfilled span lasts this long
