@@ -11,54 +11,16 @@ processes and reports their peak memory (ru_maxrss).
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from vllm_journey_otel.engine.request_journey import RequestJourney
-from vllm_journey_otel.export.export_stage import ExportStage
-from vllm_journey_otel.export.exporters import make_resource, span_limits
-from vllm_journey_otel.export.file_exporter import OtlpJsonFileExporter
-from vllm_journey_otel.export.health import ExportHealth
-from vllm_journey_otel.export.span_builder import SpanBuilder
-from vllm_journey_otel.export.spans import plan_spans
-from vllm_journey_otel.journey import STATUS_ABORTED, STATUS_LENGTH
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from records import write_trace_file
 
-MS = 1_000_000
-
-
-def generate(path: Path, n: int) -> None:
-    rng = random.Random(7)
-    exporter = OtlpJsonFileExporter(path, max_bytes=1 << 40)
-    stage = ExportStage([exporter], ExportHealth(), max_batch=2048)
-    builder = SpanBuilder(make_resource({}), span_limits())
-    offset = time.time_ns() - time.monotonic_ns()
-    t = 0
-    for i in range(n):
-        t += rng.randint(1, 5) * MS
-        j = RequestJourney(f"req-{i}", (t + offset) / 1e9, t, i, 100, 64)
-        now = t + rng.randint(0, 50) * MS
-        j.scheduled(now, i, 0, 100, 100, 0)
-        now += rng.randint(5, 30) * MS
-        j.tokens(now, i, 1)
-        out = 1
-        if rng.random() < 0.15:
-            now += 20 * MS
-            j.preempted(now, i, 100, 10, 0.98, 30, 5)
-            now += rng.randint(10, 200) * MS
-            j.scheduled(now, i, 0, 110, 110, 10)
-            now += 10 * MS
-            j.tokens(now, i, 11)
-            out = 11
-        now += rng.randint(50, 500) * MS
-        status = STATUS_ABORTED if rng.random() < 0.02 else STATUS_LENGTH
-        fj = j.finish(now, i, status, "length", out + 50, now)
-        assert fj is not None
-        stage.add(builder.build(plan_spans(fj, offset), None))
-    assert stage.shutdown(600), "the generator could not write every span"
+generate = write_trace_file
 
 
 def timed(code: str) -> tuple[float, int, str]:

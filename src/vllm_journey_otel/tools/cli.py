@@ -21,7 +21,7 @@ from vllm_journey_otel.tools.explain import Selection, explanations, file_share
 from vllm_journey_otel.tools.explain_text import format_journey, format_share
 from vllm_journey_otel.tools.replay import PROTOCOLS, replay
 from vllm_journey_otel.tools.summary import SUMMARY_ATTRIBUTES, format_text, summarize
-from vllm_journey_otel.tools.timeline import collect, render
+from vllm_journey_otel.tools.timeline import DEFAULT_LIMIT, collect, render
 from vllm_journey_otel.tools.tracefile import FileSpan, TraceFileError, read_spans
 
 # Headless Chromium with no network chatter (the machine may have no network).
@@ -168,7 +168,7 @@ def _timeline(args: argparse.Namespace) -> int:
         print("vllm-journey: no vllm.request spans found", file=sys.stderr)
         return EXIT_EMPTY
     out = Path(args.output)
-    out.write_text(render(rows, total), encoding="utf-8")
+    out.write_text(render(rows, total, source=" ".join(args.files)), encoding="utf-8")
     print(f"{out}: {len(rows)} of {total} journeys")
     if args.png:
         chromium = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -237,7 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("timeline", help="a self-contained HTML page of every journey")
     t.add_argument("files", nargs="+", help="OTLP/JSON-lines trace files")
     t.add_argument("-o", "--output", default="journeys.html", help="HTML file to write")
-    t.add_argument("--limit", type=int, default=2000, help="rows to draw (slowest kept)")
+    t.add_argument(
+        "--limit", type=int, default=DEFAULT_LIMIT, help="rows to draw (the slowest kept)"
+    )
     t.add_argument("--png", help="also render to this PNG with headless Chromium")
     t.set_defaults(func=_timeline)
     r = sub.add_parser("replay", help="send trace files to an OTLP endpoint")

@@ -1,11 +1,16 @@
 """A self-contained HTML timeline of journeys: one row per request, its phases over time.
 
 Rows show queued, each scheduled cycle's prefill and decode, and each preemption,
-on one shared time axis. Hover a segment for its attributes; zoom with the
-slider or the mouse wheel; filter to preempted, aborted or slow requests, or by
-request id. No network fetches: data, CSS and JS are inline.
+on one shared time axis. Hover a segment for its attributes; click a request id
+for its explanation (``tools/explain.py``: where its time went, each preemption's
+cause); zoom with the slider or the mouse wheel; filter to preempted, aborted or
+slow requests, or by request id; ``#request=ID`` in the address scrolls to a
+row. Only the rows in view are in the page's DOM, so tens of thousands scroll
+smoothly. No network fetches: data, CSS and JS are inline.
 
-Pure: builds a string from :class:`~vllm_journey_otel.tools.tracefile.FileSpan` records.
+Runs in the CLI's process. Times: the spans' epoch ns, drawn as ms after the
+earliest row's start. Pure: builds a string from
+:class:`~vllm_journey_otel.tools.tracefile.FileSpan` records.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_journey_otel import schema as S
+from vllm_journey_otel.tools.explain import EXPLAIN_ATTRIBUTES, Explanation, explain, label
 from vllm_journey_otel.tools.tracefile import FileSpan
 
 _PHASES = {
@@ -41,6 +47,11 @@ _ROOT_KEYS = (
 )
 
 
+# Rows drawn by default (the slowest kept): the page stays responsive with
+# this many (docs/performance.md, the timeline in headless Chromium).
+DEFAULT_LIMIT = 10_000
+
+
 @dataclass
 class _Row:
     trace_id: str
@@ -48,10 +59,16 @@ class _Row:
     end: int
     attrs: dict[str, Any]
     segments: list[tuple[str, int, int, dict[str, Any]]] = field(default_factory=list)
+    root: FileSpan | None = None
+    # Every span below the root, for its explanation.
+    spans: list[FileSpan] = field(default_factory=list)
+
+    def explanation(self) -> Explanation | None:
+        return None if self.root is None else explain(self.root, self.spans)
 
 
 def collect(
-    read: Callable[[frozenset[str] | None], Iterable[FileSpan]], limit: int = 2000
+    read: Callable[[frozenset[str] | None], Iterable[FileSpan]], limit: int = DEFAULT_LIMIT
 ) -> tuple[list[_Row], int]:
     """Journeys (slowest ``limit`` of them) and how many there were in all.
 
@@ -71,7 +88,7 @@ def collect(
             item = (
                 s.end_unix_ns - s.start_unix_ns,
                 s.span_id,
-                _Row(s.trace_id, s.start_unix_ns, s.end_unix_ns, s.attributes),
+                _Row(s.trace_id, s.start_unix_ns, s.end_unix_ns, s.attributes, root=s),
             )
             if len(heap) < limit:
                 heapq.heappush(heap, item)
@@ -81,19 +98,55 @@ def collect(
             cycle_root[s.span_id] = s.parent_span_id
     rows = {span_id: row for _, span_id, row in heap}
     if rows:
-        for s in read(frozenset(_PHASES)):
-            kind = _PHASES.get(s.name)
-            if kind is None:
+        for s in read(EXPLAIN_ATTRIBUTES):
+            if s.name not in _PHASES and s.name != S.SPAN_SCHEDULED:
                 continue
             row = rows.get(cycle_root.get(s.parent_span_id, s.parent_span_id))
-            if row is not None:
+            if row is None:
+                continue
+            row.spans.append(s)
+            kind = _PHASES.get(s.name)
+            if kind is not None:
                 row.segments.append((kind, s.start_unix_ns, s.end_unix_ns, s.attributes))
     ordered = sorted(rows.values(), key=lambda r: r.start)
     return ordered, total
 
 
-def render(rows: list[_Row], total: int, title: str = "vLLM request journeys") -> str:
-    """The HTML page (a string)."""
+def _explained(row: _Row) -> dict[str, Any] | None:
+    """The row's explanation, compact: the page words it when the row is clicked."""
+    e = row.explanation()
+    if e is None:
+        return None
+
+    def r3(v: float | None) -> float | None:
+        return None if v is None else round(v, 3)
+
+    return {
+        "c": [[label(c), r3(ms)] for c, ms in e.by_cause().items()],
+        "adm": list(e.admission) if e.admission is not None else None,
+        "pre": [
+            [
+                r3(p.at_ms),
+                p.by,
+                p.kv_cache_usage,
+                p.num_running,
+                p.num_waiting,
+                r3(p.preempted_ms),
+                r3(p.recompute_ms),
+            ]
+            for p in e.preemptions
+        ],
+        "dec": [e.decode_tokens, r3(e.decode_ms_per_token)],
+        "pf": [e.prefill_chunks, e.prefill_cached_tokens],
+        "e2e": r3(e.e2e_ms),
+    }
+
+
+def render(
+    rows: list[_Row], total: int, title: str = "vLLM request journeys", source: str = ""
+) -> str:
+    """The HTML page (a string). ``source``: the trace file(s), for the page's
+    ``vllm-journey explain`` command lines."""
     t0 = min((r.start for r in rows), default=0)
     data = []
     for r in rows:
@@ -109,6 +162,7 @@ def render(rows: list[_Row], total: int, title: str = "vLLM request journeys") -
                     [kind, (a - t0) / 1e6, (b - t0) / 1e6, {k: v for k, v in at.items()}]
                     for kind, a, b, at in sorted(r.segments, key=lambda x: x[1])
                 ],
+                "x": _explained(r),
             }
         )
     payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
@@ -116,6 +170,7 @@ def render(rows: list[_Row], total: int, title: str = "vLLM request journeys") -
         _TEMPLATE.replace("__TITLE__", html.escape(title))
         .replace("__SHOWN__", str(len(rows)))
         .replace("__TOTAL__", str(total))
+        .replace("__SOURCE__", json.dumps(source).replace("</", "<\\/"))
         .replace("__DATA__", payload)
         .replace("__KEYS__", _KEYS)
     )
@@ -129,20 +184,24 @@ _TEMPLATE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>__TITLE__</title>
 <style>
 body{font:13px system-ui,sans-serif;margin:12px;color:#222}
-#bar{display:flex;gap:14px;align-items:center;flex-wrap:wrap;margin-bottom:8px}
+#bar{display:flex;gap:14px;align-items:center;flex-wrap:wrap;margin-bottom:8px;
+ position:sticky;top:0;background:#fff;z-index:5;padding:4px 0}
 #legend span{display:inline-block;width:12px;height:12px;margin:0 4px 0 10px;vertical-align:middle}
 #rows{position:relative;border-top:1px solid #ddd}
-.row{display:flex;height:16px;border-bottom:1px solid #f1f1f1}
-.row:hover{background:#fafafa}
+.row{display:flex;height:16px;border-bottom:1px solid #f1f1f1;position:absolute;left:0;right:0}
+.row:hover{background:#fafafa}.row.picked{background:#fff6d5}
 .lab{width:230px;flex:none;overflow:hidden;white-space:nowrap;text-overflow:ellipsis;
- font:11px monospace;line-height:16px}
+ font:11px monospace;line-height:16px;cursor:pointer;color:#1a55a8}
 .track{position:relative;flex:1;overflow:hidden}
 .seg{position:absolute;top:2px;height:12px;min-width:1px}
 .queued{background:#c9c9c9}.prefill{background:#f0a030}.decode{background:#3a7bd5}
 .preempted{background:#d63333}.wait{background:#8e44ad;top:5px;height:6px;z-index:1}
-.aborted .lab{color:#b00}.hidden{display:none}
+.aborted .lab{color:#b00}
 #tip{position:fixed;pointer-events:none;background:#fff;border:1px solid #888;padding:6px;
  font:11px monospace;white-space:pre;display:none;z-index:9;box-shadow:0 2px 6px #0003}
+#explain{position:fixed;right:12px;bottom:12px;width:560px;max-height:45vh;overflow:auto;
+ background:#fff;border:1px solid #888;padding:8px;font:12px monospace;white-space:pre-wrap;
+ display:none;z-index:8;box-shadow:0 2px 8px #0004}
 #axis{display:flex;justify-content:space-between;margin-left:230px;font-size:11px;color:#666}
 </style></head><body>
 <h3>__TITLE__</h3>
@@ -157,66 +216,111 @@ body{font:13px system-ui,sans-serif;margin:12px;color:#222}
  <span id="legend"><span class="queued"></span>queued<span class="prefill"></span>prefill
  <span class="decode"></span>decode<span class="preempted"></span>preempted
  <span class="wait"></span>wait (grammar, LoRA slot, remote KV, next input)</span>
+ <span>click a request id: where its time went</span>
+ <div id="axis" style="flex-basis:100%"><span id="a0"></span><span id="a1"></span></div>
 </div>
-<div id="axis"><span id="a0"></span><span id="a1"></span></div>
-<div id="rows"></div><div id="tip"></div>
+<div id="rows"></div><div id="tip"></div><div id="explain"></div>
 <script>
 "use strict";
 const DATA = __DATA__;
 const K = __KEYS__;  // attribute keys and values, from vllm_journey_otel.schema
+const SOURCE = __SOURCE__;
+const ROW_H = 17, EXTRA = 30;
 const rowsEl = document.getElementById("rows"), tip = document.getElementById("tip");
-const end = Math.max(1e-9, ...DATA.map(d => d.e));
+const panel = document.getElementById("explain");
+let end = 1e-9;
+for (const d of DATA){ if (d.e > end) end = d.e; d.pre = d.seg.some(s => s[0] === "preempted"); }
 const durs = DATA.map(d => d.e - d.s).sort((a, b) => a - b);
 const p90 = durs.length ? durs[Math.floor(0.9 * (durs.length - 1))] : 0;
-let view = {a: 0, b: end};
+let view = {a: 0, b: end}, shown = DATA, drawn = [-1, -1], picked = null;
 function fmt(o){return Object.entries(o).map(([k,v]) => k + " = " + v).join("\\n");}
-function build(){
-  const frag = document.createDocumentFragment();
-  for (const d of DATA){
-    const row = document.createElement("div");
-    row.className = "row" + (d.a[K.status] === K.aborted ? " aborted" : "");
-    row.dataset.requestId = d.id;
-    row.dataset.preempted = d.seg.some(s => s[0] === "preempted") ? "1" : "0";
-    const lab = document.createElement("div"); lab.className = "lab"; lab.textContent = d.id;
-    lab.title = "trace " + d.trace + "\\n" + fmt(d.a);
-    const track = document.createElement("div"); track.className = "track";
-    for (const s of d.seg){
-      const el = document.createElement("div");
-      el.className = "seg " + s[0]; el.dataset.s = s[1]; el.dataset.e = s[2];
-      el.dataset.info = s[0] + "  " + (s[2] - s[1]).toFixed(3) + " ms\\n" + fmt(s[3]);
-      track.appendChild(el);
-    }
-    row.append(lab, track); frag.appendChild(row); d.el = row;
-  }
-  rowsEl.appendChild(frag);
-}
-function layout(){
+function rowEl(d, i){
+  const row = document.createElement("div");
+  row.className = "row" + (d.a[K.status] === K.aborted ? " aborted" : "") + (d === picked ? " picked" : "");
+  row.dataset.requestId = d.id; row.dataset.preempted = d.pre ? "1" : "0";
+  row.style.top = (i * ROW_H) + "px";
+  const lab = document.createElement("div"); lab.className = "lab"; lab.textContent = d.id;
+  lab.title = "trace " + d.trace + "\\n" + fmt(d.a); lab.dataset.i = i;
+  const track = document.createElement("div"); track.className = "track";
   const span = Math.max(1e-9, view.b - view.a);
-  for (const el of rowsEl.querySelectorAll(".seg")){
-    const s = +el.dataset.s, e = +el.dataset.e;
-    el.style.left = ((s - view.a) / span * 100) + "%";
-    el.style.width = Math.max(0, (e - s) / span * 100) + "%";
+  for (const s of d.seg){
+    if (s[2] < view.a || s[1] > view.b) continue;
+    const el = document.createElement("div");
+    el.className = "seg " + s[0];
+    el.style.left = ((s[1] - view.a) / span * 100) + "%";
+    el.style.width = Math.max(0, (s[2] - s[1]) / span * 100) + "%";
+    el.dataset.info = s[0] + "  " + (s[2] - s[1]).toFixed(3) + " ms\\n" + fmt(s[3]);
+    track.appendChild(el);
   }
+  row.append(lab, track);
+  return row;
+}
+function draw(force){
+  const top = window.scrollY - rowsEl.offsetTop;
+  const first = Math.max(0, Math.floor(top / ROW_H) - EXTRA);
+  const last = Math.min(shown.length, first + Math.ceil(window.innerHeight / ROW_H) + 2 * EXTRA);
+  if (!force && first === drawn[0] && last === drawn[1]) return;
+  drawn = [first, last];
+  const frag = document.createDocumentFragment();
+  for (let i = first; i < last; i++) frag.appendChild(rowEl(shown[i], i));
+  rowsEl.replaceChildren(frag);
+}
+function relayout(){
+  rowsEl.style.height = (shown.length * ROW_H) + "px";
   document.getElementById("a0").textContent = view.a.toFixed(1) + " ms";
   document.getElementById("a1").textContent = view.b.toFixed(1) + " ms";
+  draw(true);
 }
 function filter(){
   const pre = document.getElementById("fPre").checked, ab = document.getElementById("fAb").checked;
   const slow = document.getElementById("fSlow").checked, id = document.getElementById("fId").value;
-  let n = 0;
-  for (const d of DATA){
-    const show = (!pre || d.el.dataset.preempted === "1")
-      && (!ab || d.a[K.status] === K.aborted)
-      && (!slow || d.e - d.s >= p90) && (!id || d.id.includes(id));
-    d.el.classList.toggle("hidden", !show); n += show ? 1 : 0;
-  }
-  document.getElementById("count").textContent = n;
+  shown = DATA.filter(d => (!pre || d.pre) && (!ab || d.a[K.status] === K.aborted)
+    && (!slow || d.e - d.s >= p90) && (!id || d.id.includes(id)));
+  document.getElementById("count").textContent = shown.length;
+  relayout();
 }
 function zoom(){
   const z = +document.getElementById("zoom").value, p = +document.getElementById("pan").value / 1000;
-  const w = end / z; view = {a: p * (end - w), b: p * (end - w) + w}; layout();
+  const w = end / z; view = {a: p * (end - w), b: p * (end - w) + w}; relayout();
 }
-build(); layout();
+function n(v){ return v === null || v === undefined ? "not observed" : v; }
+function pct(v){ return v === null || v === undefined ? "not observed" : Math.round(100 * v) + "%"; }
+function engine(kv, run, wait){
+  if (kv == null && run == null && wait == null) return "what the engine looked like then: not observed";
+  return n(run) + " running, " + n(wait) + " waiting, KV cache " + pct(kv) + " used";
+}
+function explainText(d){
+  const x = d.x; if (!x) return d.id + ": no explanation";
+  const L = [d.id + "  " + (d.a[K.status] || "") + ", " + x.e2e.toFixed(1) + " ms end to end"];
+  let big = null;
+  for (const [c, ms] of x.c){ if (!big || ms > big[1]) big = [c, ms]; }
+  if (big) L.push("Most of its time: " + big[0] + ", " + big[1].toFixed(1) + " ms ("
+    + Math.round(100 * big[1] / Math.max(1e-9, x.e2e)) + "%)");
+  for (const [c, ms] of x.c) L.push("  " + c.padEnd(28) + ms.toFixed(1).padStart(10) + " ms");
+  if (x.adm) L.push("at admission: " + engine(x.adm[0], x.adm[1], x.adm[2]));
+  x.pre.forEach((p, i) => L.push("preemption " + (i + 1) + " at +" + p[0].toFixed(1) + " ms by "
+    + n(p[1]) + "; " + engine(p[2], p[3], p[4]) + "; preempted " + p[5].toFixed(1)
+    + " ms; recompute prefill " + (p[6] === null ? "never resumed" : p[6].toFixed(1) + " ms")));
+  if (x.pf[0] !== null) L.push("prefill: " + n(x.pf[0]) + " chunk(s), " + n(x.pf[1]) + " cached tokens");
+  if (x.dec[0] !== null) L.push("decode: " + x.dec[0] + " tokens, "
+    + (x.dec[1] === null ? "not observed" : x.dec[1].toFixed(2) + " ms/token"));
+  L.push("", "vllm-journey explain " + (SOURCE || "FILE") + " --request " + d.id);
+  return L.join("\\n");
+}
+function pick(d){
+  picked = d; panel.textContent = explainText(d); panel.style.display = "block"; draw(true);
+}
+function fromHash(){
+  const m = /request=([^&]+)/.exec(decodeURIComponent(location.hash));
+  if (!m) return;
+  const i = shown.findIndex(d => d.id === m[1]);
+  if (i < 0) return;
+  window.scrollTo(0, rowsEl.offsetTop + i * ROW_H - 120); pick(shown[i]);
+}
+relayout(); fromHash();
+window.addEventListener("scroll", () => requestAnimationFrame(() => draw(false)));
+window.addEventListener("resize", () => draw(true));
+window.addEventListener("hashchange", fromHash);
 for (const id of ["fPre", "fAb", "fSlow", "fId"]) document.getElementById(id).addEventListener("input", filter);
 for (const id of ["zoom", "pan"]) document.getElementById(id).addEventListener("input", zoom);
 rowsEl.addEventListener("wheel", ev => {
@@ -224,6 +328,10 @@ rowsEl.addEventListener("wheel", ev => {
   const z = document.getElementById("zoom"); z.value = Math.min(50, Math.max(1, +z.value - Math.sign(ev.deltaY)));
   zoom();
 }, {passive: false});
+rowsEl.addEventListener("click", ev => {
+  const t = ev.target;
+  if (t.classList && t.classList.contains("lab")) pick(shown[+t.dataset.i]);
+});
 rowsEl.addEventListener("mousemove", ev => {
   const t = ev.target;
   if (t.classList && t.classList.contains("seg")){
@@ -232,5 +340,21 @@ rowsEl.addEventListener("mousemove", ev => {
   } else tip.style.display = "none";
 });
 rowsEl.addEventListener("mouseleave", () => { tip.style.display = "none"; });
+// #bench: scroll through every row once, drawing each window, and note the
+// times (benchmarks/timeline_bench.py reads them from the DOM).
+if (location.hash.includes("bench")){
+  const times = [], step = Math.max(1, Math.floor(window.innerHeight / ROW_H));
+  for (let i = 0; i < shown.length; i += step){
+    const t = performance.now(); window.scrollTo(0, rowsEl.offsetTop + i * ROW_H); draw(false);
+    times.push(performance.now() - t);
+  }
+  times.sort((a, b) => a - b);
+  document.body.dataset.scrollFrames = times.length;
+  document.body.dataset.scrollMaxMs = (times[times.length - 1] || 0).toFixed(2);
+  document.body.dataset.scrollP50Ms = (times[Math.floor(times.length / 2)] || 0).toFixed(2);
+}
+document.body.dataset.readyMs = performance.now().toFixed(0);
+document.body.dataset.rowsInDom = rowsEl.children.length;
+document.body.dataset.ready = "1";
 </script></body></html>
 """
