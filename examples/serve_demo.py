@@ -1,12 +1,15 @@
 """The main job on a CPU: `vllm serve` with journey tracing, a burst of traffic,
-and a per-phase summary of what happened to every request.
+a per-phase summary of what happened to every request, a picture of it, and why
+the slowest request was slow.
 
 * builds a tiny random-weight Llama (tests/fixtures/tiny_model.py, cached),
 * starts `VLLM_JOURNEY_OTEL=1 vllm serve` on 127.0.0.1 with a KV cache small
   enough that the burst forces preemptions,
 * sends 32 concurrent 256-token completions, two chats, and one streaming
   request whose client hangs up early (an abort),
-* stops the server (SIGTERM) and prints where the traces are and a summary.
+* stops the server (SIGTERM) and prints where the traces are and a summary,
+* writes the timeline page (and its PNG when Chromium is installed) and prints
+  where the slowest request's time went (`vllm-journey explain --slowest 1`).
 
 With OTEL_EXPORTER_OTLP_ENDPOINT (or ..._TRACES_ENDPOINT) set, spans go to that
 collector; otherwise to a local OTLP/JSON file (OTEL_TRACES_EXPORTER=otlp_json_file).
@@ -17,6 +20,7 @@ collector; otherwise to a local OTLP/JSON file (OTEL_TRACES_EXPORTER=otlp_json_f
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +31,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from fixtures.tiny_model import build  # noqa: E402
 from services import VllmServer, wait_until  # noqa: E402
+from vllm_journey_otel.tools.cli import main as cli  # noqa: E402
 from vllm_journey_otel.tools.summary import format_text, summarize  # noqa: E402
 from vllm_journey_otel.tools.tracefile import read_spans  # noqa: E402
 
@@ -118,7 +123,28 @@ def main() -> int:
     print(f"[demo] server log: {out / 'vllm-serve.log'}")
     print(f"[demo] summary (also: .venv/bin/vllm-journey summary {trace_file}):\n")
     print(format_text(summarize(read_spans([trace_file])).to_dict()))
+    pictures(trace_file, out)
     return 0
+
+
+def pictures(trace_file: Path, out: Path) -> None:
+    """The timeline page (and PNG), and the explanation of the slowest request."""
+    page, png = out / "journeys.html", out / "journeys.png"
+    png.unlink(missing_ok=True)
+    argv = ["timeline", str(trace_file), "-o", str(page)]
+    if shutil.which("chromium") or shutil.which("chromium-browser"):
+        argv += ["--png", str(png)]
+    print("\n[demo] the timeline (open it in a browser; click a request id for its story):")
+    cli(argv)
+    if not png.exists():
+        print("[demo] no PNG: Chromium is not installed (bash scripts/setup_chromium.sh)")
+    print(f"\n[demo] why was the slowest request slow? (.venv/bin/vllm-journey explain "
+          f"{trace_file} --slowest 1)\n")  # fmt: skip
+    cli(["explain", str(trace_file), "--slowest", "1"])
+    print(
+        f"\n[demo] where all the request-time went (.venv/bin/vllm-journey explain {trace_file}):\n"
+    )
+    cli(["explain", str(trace_file)])
 
 
 if __name__ == "__main__":
