@@ -1,8 +1,9 @@
-"""How fast `vllm-journey summary` and `timeline` read a big trace file.
+"""How fast `vllm-journey summary`, `timeline` and `explain` read a big trace file.
 
 Generates N journeys (default 100,000; about 6 spans each, 15 % preempted) with
 the real journey model and span builder, writes them with the real OTLP/JSON file
-exporter, then times the summary and the timeline's collection in child
+exporter, then times the summary, the timeline (10,000 slowest drawn, with their
+explanations) and the whole-file explain in child
 processes and reports their peak memory (ru_maxrss).
 
     .venv/bin/python benchmarks/tracefile_bench.py [N]
@@ -65,6 +66,12 @@ def main() -> None:
             "html = render(rows, total)\n"
             "print('J', total, len(html))"
         )
+        explain = timed(
+            "from vllm_journey_otel.tools.explain import file_share\n"
+            "from vllm_journey_otel.tools.tracefile import read_spans\n"
+            f"share = file_share(lambda a: read_spans([{str(path)!r}], attributes_of=a))\n"
+            "print('J', share.journeys)"
+        )
         result = {
             "journeys": n,
             "file_mib": round(path.stat().st_size / 2**20, 1),
@@ -72,6 +79,8 @@ def main() -> None:
             "summary_peak_rss_mib": round(summary[1] / 1024, 1),
             "timeline_s": round(timeline[0], 2),
             "timeline_peak_rss_mib": round(timeline[1] / 1024, 1),
+            "explain_whole_file_s": round(explain[0], 2),
+            "explain_whole_file_peak_rss_mib": round(explain[1] / 1024, 1),
             "import_only_peak_rss_mib": round(baseline[1] / 1024, 1),
         }
         print(next(line for line in summary[2].splitlines() if line.startswith("J")))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.tools.tracefile import FileSpan
@@ -274,26 +274,33 @@ class Selection:
     slowest: int = 0
 
 
-def _pass1(read: Reader) -> tuple[list[FileSpan], dict[str, tuple[str, str]]]:
+class _Root(NamedTuple):
+    """What pass 1 keeps of a root: a few fields, not its attributes."""
+
+    span_id: str
+    trace_id: str
+    request_id: str
+    start_unix_ns: int
+    end_unix_ns: int
+
+
+def _pass1(read: Reader) -> tuple[list[_Root], dict[str, tuple[str, str]]]:
     """Every root, and each child span's root and kind (by span id): the span's
     name, or ``resume`` for a cycle resumed after a preemption."""
-    roots: list[FileSpan] = []
+    roots: list[_Root] = []
     root_of: dict[str, tuple[str, str]] = {}
     for s in read(_PASS1):
         if s.name == S.SPAN_REQUEST:
-            roots.append(s)
+            rid = str(s.attributes.get(S.REQUEST_ID, ""))
+            roots.append(_Root(s.span_id, s.trace_id, rid, s.start_unix_ns, s.end_unix_ns))
         elif s.name in _CHILDREN:
             resumed = s.attributes.get(S.SCHEDULE_KIND) == S.SCHEDULE_RESUME
             root_of[s.span_id] = (s.parent_span_id, "resume" if resumed else s.name)
     return roots, root_of
 
 
-def _chosen(roots: list[FileSpan], sel: Selection) -> list[FileSpan]:
-    picked = [
-        r
-        for r in roots
-        if str(r.attributes.get(S.REQUEST_ID, "")) in sel.request_ids or r.trace_id in sel.trace_ids
-    ]
+def _chosen(roots: list[_Root], sel: Selection) -> list[_Root]:
+    picked = [r for r in roots if r.request_id in sel.request_ids or r.trace_id in sel.trace_ids]
     if sel.slowest:
         slow = heapq.nlargest(sel.slowest, roots, key=lambda r: r.end_unix_ns - r.start_unix_ns)
         picked += [r for r in slow if r not in picked]
@@ -305,8 +312,13 @@ def explanations(read: Reader, sel: Selection) -> tuple[list[Explanation], int]:
     roots, root_of = _pass1(read)
     chosen = _chosen(roots, sel)
     spans: dict[str, list[FileSpan]] = {r.span_id: [] for r in chosen}
+    full: dict[str, FileSpan] = {}
     if spans:
         for s in read(EXPLAIN_ATTRIBUTES):
+            if s.name == S.SPAN_REQUEST:
+                if s.span_id in spans:
+                    full[s.span_id] = s
+                continue
             if s.name in _CHILDREN:
                 owner = s.parent_span_id
             elif s.name in _GRANDCHILDREN:
@@ -315,7 +327,7 @@ def explanations(read: Reader, sel: Selection) -> tuple[list[Explanation], int]:
                 continue
             if owner in spans:
                 spans[owner].append(s)
-    return [explain(r, spans[r.span_id]) for r in chosen], len(roots)
+    return [explain(full[r.span_id], spans[r.span_id]) for r in chosen], len(roots)
 
 
 @dataclass
@@ -406,7 +418,7 @@ def file_share(read: Reader, top: int = 3) -> FileShare:
             t.add(BEFORE, _ms(t.first_start - r.start_unix_ns))
         if t.last_end is not None and r.end_unix_ns > t.last_end:
             t.add(AFTER, _ms(r.end_unix_ns - t.last_end))
-        rid = str(r.attributes.get(S.REQUEST_ID, ""))
+        rid = r.request_id
         for cause, ms in t.causes.items():
             by_cause[cause] = by_cause.get(cause, 0.0) + ms
             heap = heaps.setdefault(cause, [])
