@@ -153,10 +153,10 @@ def test_client_disconnect_mid_stream_aborts(server, module_receiver) -> None:  
     # race to max_tokens before the API server has noticed the disconnect (seen
     # once in CI on a loaded machine). That race is vLLM's, not ours: each
     # attempt's journey must be consistent either way, and at least one of
-    # three must show the abort.
+    # five must show the abort.
     max_tokens = 2000  # the longest the server's --max-model-len 2048 allows
     statuses = []
-    for _attempt in range(3):
+    for _attempt in range(5):
         tp, trace_id, _ = new_traceparent()
         body = {
             "model": server.model, "prompt": "a long answer", "max_tokens": max_tokens,
@@ -422,3 +422,69 @@ def test_trace_file_and_summary(model_dir, module_receiver, tmp_path) -> None:  
     assert not {s.context.trace_id for s in wire_spans(module_receiver)} & {
         int(r.trace_id, 16) for r in roots
     }
+
+
+# ---------------------------------------------------------------------------
+# explain, on the journeys of a served burst that forces preemptions
+# ---------------------------------------------------------------------------
+def test_explain_on_a_served_burst(model_dir, module_receiver, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from vllm_journey_otel.tools import explain as X
+    from vllm_journey_otel.tools.cli import main as cli_main
+    from vllm_journey_otel.tools.tracefile import read_spans
+
+    trace_file = tmp_path / "journeys.otlp.jsonl"
+    server = start_server(
+        model_dir, tmp_path, module_receiver, "3proc", max_model_len=512, kv_cache_bytes="1M",
+        env={"OTEL_TRACES_EXPORTER": "otlp_json_file", "VLLM_JOURNEY_OTEL_FILE": str(trace_file)},
+    )  # fmt: skip
+    try:
+        c = client(server)
+        with ThreadPoolExecutor(32) as pool:
+            list(
+                pool.map(
+                    lambda i: c.completions.create(
+                        model=server.model, prompt=f"burst {i} " * 6, max_tokens=256,
+                        extra_body={"ignore_eos": True},
+                    ),
+                    range(32),
+                )
+            )  # fmt: skip
+        preempted_total = metric_value(server.metrics(), "vllm:num_preemptions_total")
+    finally:
+        server.stop()
+
+    def read(attributes_of: frozenset[str] | None):  # type: ignore[no-untyped-def]
+        return read_spans([trace_file], attributes_of=attributes_of)
+
+    def all_written() -> list[object]:
+        roots = [s for s in read(None)] if trace_file.exists() else []
+        return roots if sum(s.name == S.SPAN_REQUEST for s in roots) == 32 else []
+
+    spans = wait_until(all_written, 30, 0.5, "32 journeys in the trace file")
+    assert preempted_total > 0, "precondition: the KV cache forced preemptions"
+    roots = {s.span_id: s for s in spans if s.name == S.SPAN_REQUEST}
+    by_parent: dict[str, list[object]] = {}
+    for s in spans:
+        by_parent.setdefault(s.parent_span_id, []).append(s)
+    explained, total = X.explanations(read, X.Selection(slowest=32))
+    assert total == 32 and len(explained) == 32
+    preemptions = 0
+    for e in explained:
+        (root,) = [r for r in roots.values() if r.attributes[S.REQUEST_ID] == e.request_id]
+        assert e.e2e_ms == (root.end_unix_ns - root.start_unix_ns) / 1e6
+        assert sum(e.by_cause().values()) == pytest.approx(e.e2e_ms, abs=1e-6)
+        spans_pre = [s for s in by_parent[root.span_id] if s.name == S.SPAN_PREEMPTED]
+        assert len(e.preemptions) == len(spans_pre) == root.attributes[S.NUM_PREEMPTIONS]
+        for p, s in zip(
+            e.preemptions, sorted(spans_pre, key=lambda s: s.start_unix_ns), strict=True
+        ):
+            assert p.by == s.attributes.get(S.PREEMPTED_BY)
+            assert p.kv_cache_usage == s.attributes[S.KV_CACHE_USAGE]
+        assert e.output_tokens == 256
+        preemptions += len(e.preemptions)
+    assert preemptions == preempted_total
+    share = X.file_share(read)
+    assert share.total_ms == pytest.approx(sum(e.e2e_ms for e in explained))
+    for cause, ms in share.by_cause_ms.items():
+        assert ms == pytest.approx(sum(e.by_cause().get(cause, 0.0) for e in explained), abs=1e-6)
+    assert cli_main(["explain", str(trace_file), "--slowest", "1"]) == 0

@@ -1,8 +1,9 @@
 """``vllm-journey``: explain, summarise, draw, convert (Perfetto) and replay journeys
 from OTLP/JSON trace files.
 
-Exit codes: 0 ok; 1 the files held no journey; 2 usage error or an unreadable
-file; 3 a replay that could not reach its endpoint, or a --png without Chromium.
+Exit codes: 0 ok; 1 the files held no journey (``doctor``: a check failed, no
+journey would arrive); 2 usage error or an unreadable file; 3 a replay that
+could not reach its endpoint, or a --png without Chromium.
 Bad lines are reported on stderr (file:line) and skipped.
 """
 
@@ -18,7 +19,7 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from vllm_journey_otel.tools import perfetto
+from vllm_journey_otel.tools import doctor, perfetto
 from vllm_journey_otel.tools.explain import Selection, explanations, file_share
 from vllm_journey_otel.tools.explain_text import format_journey, format_share
 from vllm_journey_otel.tools.replay import PROTOCOLS, replay
@@ -245,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--png", help="also render to this PNG with headless Chromium")
     t.set_defaults(func=_timeline)
     perfetto.add_parser(sub)
+    doctor.add_parser(sub)
     r = sub.add_parser("replay", help="send trace files to an OTLP endpoint")
     r.add_argument("files", nargs="+", help="OTLP/JSON-lines trace files")
     r.add_argument("--endpoint", required=True, help="e.g. http://127.0.0.1:4317")

@@ -1,32 +1,26 @@
 """``vllm-journey perfetto``: journeys as a trace for ui.perfetto.dev (or chrome://tracing).
 
 Runs in the CLI's process, offline: reads OTLP/JSON trace files, writes one file.
+A process per vLLM instance (``host.name``, ``vllm.data_parallel.rank``) holds a
+track per journey (its request id) with its spans as nested slices, args the
+attributes. A preemption is its vllm.preempted slice plus an instant ``preempts
+<id>`` on the preempting request's track, with a flow arrow to that slice when
+``vllm.journey.preempted_by`` names a journey of the instance in the output.
+vllm.step spans become counter tracks per instance (batch size, KV-cache usage,
+running and waiting requests, prefill and decode tokens) at each step's start.
 
-A process (track group) per vLLM instance (resource ``host.name`` and
-``vllm.data_parallel.rank``) holds a track per journey, named by its request id,
-with its spans as nested slices (vllm.request > vllm.queued / vllm.scheduled /
-vllm.preempted > vllm.prefill / vllm.decode / vllm.wait), args the attributes. A
-preemption is its vllm.preempted slice, plus an instant ``preempts <id>`` on the
-preempting request's track with a flow arrow to that slice when
-``vllm.journey.preempted_by`` names a journey of the same instance in the output.
-vllm.step spans (the step view) become counter tracks per instance: batch size,
-KV-cache usage, running and waiting queue lengths, prefill and decode tokens,
-each value at its step's start.
+Clocks: spans carry epoch ns (``*_unix_ns``) and so does the output. ``proto``
+(Perfetto's TrackEvent protobuf, through the optional ``perfetto`` package) keeps
+them exact, with a clock snapshot equating the trace clock to REALTIME. ``json``
+(Chrome trace events: "X", "M", "C", "s"/"f") is in microseconds, parsed as
+doubles by viewers: start and end are each rounded to the microsecond (nesting
+holds) and the args keep each span's exact ``start_unix_ns`` and ``end_unix_ns``.
 
-Clocks: spans carry epoch ns (``*_unix_ns``) and so does the output, no offset.
-``proto``, Perfetto's TracePacket/TrackEvent protobuf (written with the optional
-``perfetto`` package), keeps them exact on the trace's default clock, with a clock
-snapshot equating it to REALTIME. ``json``, the Chrome trace-event format ("X"
-slices, "M" names, "C" counters, "s"/"f" flows), is in microseconds, which
-viewers parse as doubles: at epoch scale those hold whole microseconds only, so
-start and end are each rounded to the microsecond (nesting holds) and the args
-keep each span's exact ``start_unix_ns`` and ``end_unix_ns``.
-
-Bounded memory, two passes: pass 1 keeps a few numbers per journey and per
-queued/scheduled/preempted span, and the slowest ``--limit`` roots; pass 2 holds
-a kept journey's spans only until all of them (counted in pass 1) were read. A
-span sticking out of its parent or overlapping its previous sibling (the plugin
-emits none) is clamped so nesting holds; its args then keep its own times.
+Bounded memory, two passes: pass 1 keeps a few numbers per journey and the
+slowest ``--limit`` roots; pass 2 holds a kept journey's spans only until all of
+them (counted in pass 1) were read. A span sticking out of its parent or
+overlapping its previous sibling (the plugin emits none) is clamped so nesting
+holds; its args keep its own times.
 """
 
 from __future__ import annotations
@@ -45,10 +39,7 @@ import msgspec
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.tools.tracefile import FileSpan, TraceFileError, read_spans
 
-# As tools/cli.py.
-EXIT_OK = 0
-EXIT_EMPTY = 1
-EXIT_USAGE = 2
+EXIT_OK, EXIT_EMPTY, EXIT_USAGE = 0, 1, 2  # as tools/cli.py
 MAX_REPORTED = 20
 # Journeys written by default (the slowest past that); --limit 0 writes all.
 DEFAULT_LIMIT = 20_000
@@ -513,19 +504,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p = sub.add_parser(
         "perfetto",
         help="a trace for ui.perfetto.dev: a track per request, counters per step",
-        description=(
-            "Write journeys as a Perfetto trace: a process per vLLM instance (host.name, "
-            "data-parallel rank), a track per request with its phases as nested slices, "
-            "preemptions as flow arrows, and vllm.step counters. Times are epoch ns."
-        ),
+        description="Write journeys as a Perfetto trace: a process per vLLM instance, a track "
+        "per request with its phases as nested slices, preemptions as flow arrows, vllm.step "
+        "counters. Times are epoch ns. Exit codes: 0 ok, 1 no journey, 2 usage/unreadable.",
     )
     p.add_argument("files", nargs="+", help="OTLP/JSON-lines trace files")
     p.add_argument("-o", "--output", default="journeys.perfetto-trace", help="file to write")
-    fmt_help = (
-        "proto: Perfetto protobuf (needs the perfetto package); json: Chrome trace-event "
-        "JSON. Default: json if --output ends in .json, else proto (json without perfetto)"
-    )
-    p.add_argument("--format", choices=("proto", "json"), help=fmt_help)
+    p.add_argument("--format", choices=("proto", "json"), help="proto: Perfetto protobuf (the "
+                   "perfetto package); json: Chrome trace events. Default: json for *.json, "
+                   "else proto (json without perfetto)")  # fmt: skip
     limit_help = f"journeys to write, the slowest kept (default {DEFAULT_LIMIT}; 0: all)"
     p.add_argument("--limit", type=int, default=DEFAULT_LIMIT, help=limit_help)
     p.set_defaults(func=_run)
