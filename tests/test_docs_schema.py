@@ -49,5 +49,6 @@ def test_enumerated_values_documented() -> None:
         S.PHASE_PREFILL,
         S.PHASE_DECODE,
         *S.WAIT_REASONS,
+        *S.IN_FLIGHT_STATES,
     ):
         assert f"`{value}`" in DOC, value

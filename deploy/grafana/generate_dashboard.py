@@ -562,6 +562,33 @@ def build() -> dict[str, Any]:
         10,
     )
 
+    in_flight = ", ".join(
+        f"span.{k}"
+        for k in (S.REQUEST_ID, S.IN_FLIGHT_STATE, S.WAIT_REASON, S.IN_FLIGHT_MS,
+                  S.IN_FLIGHT_SNAPSHOT, S.DECODE_DONE_TOKENS)
+    )  # fmt: skip
+    b.add(
+        {
+            "type": "table",
+            "title": "Requests seen in flight past the threshold",
+            "description": f"`{S.SPAN_IN_FLIGHT}` snapshots: requests still in flight "
+            "VLLM_JOURNEY_OTEL_IN_FLIGHT_S (default 60 s) after admission, where they "
+            "were then and what they waited for (newest 50). A stuck request shows here "
+            "while it is stuck; its trace gets the final journey when it ends.",
+            "datasource": TEMPO,
+            "targets": [
+                traceql_search(f'{{name="{S.SPAN_IN_FLIGHT}" && {TQL_SEL}}} | select({in_flight})')
+            ],
+            "fieldConfig": {"defaults": {}, "overrides": []},
+            "options": {
+                "showHeader": True,
+                "sortBy": [{"displayName": S.IN_FLIGHT_MS, "desc": True}],
+            },
+        },
+        24,
+        8,
+    )
+
     # ------------------------------------------- waits and speculative decoding
     b.row("Waiting inside the queue, and speculative decoding")
     wait = f'span_name="{S.SPAN_WAIT}", {SEL}'

@@ -32,6 +32,8 @@ TAIL_SLOW_MS = "VLLM_JOURNEY_OTEL_TAIL_SLOW_MS"
 # The engine step view (a vllm.step span per sampled scheduler step).
 STEPS = "VLLM_JOURNEY_OTEL_STEPS"
 STEPS_RATIO = "VLLM_JOURNEY_OTEL_STEPS_RATIO"
+# Requests in flight longer than this are exported as snapshots (in_flight.py).
+IN_FLIGHT_S = "VLLM_JOURNEY_OTEL_IN_FLIGHT_S"
 # How our own code competes with vLLM's for the CPU (cpu_yield.py).
 CPU_PRIORITY = "VLLM_JOURNEY_OTEL_CPU_PRIORITY"
 EXPORTER_CPUS = "VLLM_JOURNEY_OTEL_EXPORTER_CPUS"
@@ -51,6 +53,7 @@ ALL_VARIABLES = (
     TAIL_SLOW_MS,
     STEPS,
     STEPS_RATIO,
+    IN_FLIGHT_S,
     CPU_PRIORITY,
     EXPORTER_CPUS,
 )
@@ -105,6 +108,10 @@ class Config:
     # scheduler steps that scheduled something. Off: one boolean check per step.
     steps: bool = False
     steps_ratio: float = 1.0
+    # A request in flight this long (from its admission) is exported as a
+    # snapshot of its journey so far, again at twice that age, four times, ...;
+    # its final journey still comes when it ends. 0: off.
+    in_flight_s: float = 60.0
     # Our threads in vLLM's processes and the exporter process run at this CPU
     # priority: an observer yields first (vLLM's engine-core loop is one busy
     # thread per engine; every slice taken from it delays a step).
@@ -213,6 +220,7 @@ def from_env(env: Mapping[str, str] | None = None) -> Config:
         shutdown_grace_ms=int(_number(env, SHUTDOWN_GRACE_MS, d.shutdown_grace_ms, 0, 60_000)),
         steps=_flag(env, STEPS, "The step view stays off"),
         steps_ratio=_number(env, STEPS_RATIO, d.steps_ratio, 0, 1),
+        in_flight_s=_number(env, IN_FLIGHT_S, d.in_flight_s, 0, 86_400),
         cpu_priority=_choice(
             env, CPU_PRIORITY, d.cpu_priority, (PRIORITY_IDLE, PRIORITY_NICE, PRIORITY_NORMAL)
         ),

@@ -228,5 +228,21 @@ class StepRecord(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=11)
     links: list[LinkTarget]
 
 
+class InFlight(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=12):
+    """A request still in flight past the threshold (VLLM_JOURNEY_OTEL_IN_FLIGHT_S):
+    its journey so far, recorded on the pipeline's drain thread. ``journey.end``
+    is the moment of the snapshot; its status and finish reason mean nothing
+    (the request has not ended). ``journey.root_ids`` are the ids the final
+    root will have, so the snapshot nests under it once it arrives."""
+
+    journey: FinishedJourney
+    # 1 for the first snapshot of this request, 2 for the next, ...
+    seq: int
+    # Where the request is now: schema.IN_FLIGHT_STATES, and the open wait's
+    # reason (index into schema.WAIT_REASONS; -1: none).
+    state: int
+    wait_reason: int
+
+
 # What the engine hands on to be exported.
-Record = FinishedJourney | StepRecord
+Record = FinishedJourney | StepRecord | InFlight

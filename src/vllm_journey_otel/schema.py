@@ -26,6 +26,9 @@ SPAN_PREEMPTED: Final = "vllm.preempted"
 SPAN_WAIT: Final = "vllm.wait"
 # The opt-in step view: one scheduler step, its own trace.
 SPAN_STEP: Final = "vllm.step"
+# A request still in flight past VLLM_JOURNEY_OTEL_IN_FLIGHT_S: a snapshot of its
+# journey so far, a child of the root its final journey will have.
+SPAN_IN_FLIGHT: Final = "vllm.in_flight"
 
 SPAN_NAMES: Final = (
     SPAN_REQUEST,
@@ -36,6 +39,7 @@ SPAN_NAMES: Final = (
     SPAN_PREEMPTED,
     SPAN_WAIT,
     SPAN_STEP,
+    SPAN_IN_FLIGHT,
 )
 
 # Instrumentation scope of every span we emit.
@@ -85,6 +89,14 @@ STEP_NUM_PREEMPTIONS: Final = "vllm.step.num_preemptions"
 STEP_SCHEDULE_MS: Final = "vllm.step.schedule_ms"
 
 # Speculative decoding (vllm.decode: that span's verify steps; root: the request's)
+# vllm.in_flight (a snapshot of a request that has not ended).
+IN_FLIGHT_STATE: Final = "vllm.journey.in_flight.state"
+IN_FLIGHT_MS: Final = "vllm.journey.in_flight.ms"
+IN_FLIGHT_SNAPSHOT: Final = "vllm.journey.in_flight.snapshot"
+# On each of its events (one per span of the journey so far).
+IN_FLIGHT_EVENT_MS: Final = "vllm.journey.in_flight.span_ms"
+IN_FLIGHT_EVENT_OPEN: Final = "vllm.journey.in_flight.open"
+
 SPEC_DRAFTS_PROPOSED: Final = "vllm.journey.spec.drafts_proposed"
 SPEC_DRAFTS_ACCEPTED: Final = "vllm.journey.spec.drafts_accepted"
 SPEC_ACCEPTANCE_RATE: Final = "vllm.journey.spec.acceptance_rate"
@@ -135,6 +147,12 @@ SCHEDULE_NEXT_INPUT: Final = "NEXT_INPUT"
 PHASE_PREFILL: Final = "PREFILL"
 PHASE_DECODE: Final = "DECODE"
 
+# Where an in-flight request is (vllm.in_flight); the record holds the index.
+IN_FLIGHT_QUEUED: Final = "queued"
+IN_FLIGHT_RUNNING: Final = "running"
+IN_FLIGHT_PREEMPTED: Final = "preempted"
+IN_FLIGHT_STATES: Final = (IN_FLIGHT_QUEUED, IN_FLIGHT_RUNNING, IN_FLIGHT_PREEMPTED)
+
 # Wait reasons (vllm.wait); the journey records their index in this tuple.
 WAIT_LORA_SLOT: Final = "lora_slot"
 WAIT_GRAMMAR: Final = "structured_output_grammar"
@@ -170,11 +188,13 @@ class AttributeSpec:
 
 
 _BELOW_ROOT = (SPAN_QUEUED, SPAN_SCHEDULED, SPAN_PREFILL, SPAN_DECODE, SPAN_PREEMPTED)
+# Progress attributes: on every span below the root, and on an in-flight snapshot.
+_PROGRESS = (*_BELOW_ROOT, SPAN_IN_FLIGHT)
 
 # Every attribute we emit, with where it appears. docs/spans.md is tested against
 # this table (same keys, same spans) so the documentation cannot drift.
 ATTRIBUTES: Final[tuple[AttributeSpec, ...]] = (
-    AttributeSpec(REQUEST_ID, (SPAN_REQUEST,), "string", "vLLM request id"),
+    AttributeSpec(REQUEST_ID, (SPAN_REQUEST, SPAN_IN_FLIGHT), "string", "vLLM request id"),
     AttributeSpec(GEN_AI_MAX_TOKENS, (SPAN_REQUEST,), "int", "max_tokens asked for"),
     AttributeSpec(GEN_AI_INPUT_TOKENS, (SPAN_REQUEST,), "int", "prompt tokens"),
     AttributeSpec(GEN_AI_OUTPUT_TOKENS, (SPAN_REQUEST,), "int", "generated tokens"),
@@ -218,19 +238,19 @@ ATTRIBUTES: Final[tuple[AttributeSpec, ...]] = (
     ),
     AttributeSpec(
         NUM_PREEMPTIONS,
-        (SPAN_REQUEST, *_BELOW_ROOT),
+        (SPAN_REQUEST, *_PROGRESS),
         "int",
         "preemptions so far",
     ),
     AttributeSpec(
-        PREFILL_DONE_TOKENS, _BELOW_ROOT, "int", "prompt tokens computed (high-water mark)"
+        PREFILL_DONE_TOKENS, _PROGRESS, "int", "prompt tokens computed (high-water mark)"
     ),
-    AttributeSpec(PREFILL_TOTAL_TOKENS, _BELOW_ROOT, "int", "prompt tokens"),
-    AttributeSpec(DECODE_DONE_TOKENS, _BELOW_ROOT, "int", "tokens generated so far"),
-    AttributeSpec(DECODE_MAX_TOKENS, _BELOW_ROOT, "int", "max_tokens"),
-    AttributeSpec(PHASE, _BELOW_ROOT, "string", "PREFILL|DECODE"),
+    AttributeSpec(PREFILL_TOTAL_TOKENS, _PROGRESS, "int", "prompt tokens"),
+    AttributeSpec(DECODE_DONE_TOKENS, _PROGRESS, "int", "tokens generated so far"),
+    AttributeSpec(DECODE_MAX_TOKENS, _PROGRESS, "int", "max_tokens"),
+    AttributeSpec(PHASE, _PROGRESS, "string", "PREFILL|DECODE"),
     AttributeSpec(
-        SCHEDULER_STEP, (*_BELOW_ROOT, SPAN_STEP), "int", "plugin's scheduler step counter"
+        SCHEDULER_STEP, (*_PROGRESS, SPAN_STEP), "int", "plugin's scheduler step counter"
     ),
     AttributeSpec(SCHEDULE_KIND, (SPAN_SCHEDULED,), "string", "FIRST|RESUME|NEXT_INPUT"),
     AttributeSpec(CYCLE, (SPAN_SCHEDULED,), "int", "0, 1, ... per running cycle"),
@@ -257,7 +277,16 @@ ATTRIBUTES: Final[tuple[AttributeSpec, ...]] = (
     AttributeSpec(
         PREEMPTED_BY, (SPAN_PREEMPTED,), "string", "request whose KV allocation forced it"
     ),
-    AttributeSpec(WAIT_REASON, (SPAN_WAIT,), "string", "what the request waited for"),
+    AttributeSpec(WAIT_REASON, (SPAN_WAIT, SPAN_IN_FLIGHT), "string", "what the request waits for"),
+    AttributeSpec(IN_FLIGHT_STATE, (SPAN_IN_FLIGHT,), "string", "queued|running|preempted"),
+    AttributeSpec(IN_FLIGHT_MS, (SPAN_IN_FLIGHT,), "double", "in flight so far (root start on)"),
+    AttributeSpec(IN_FLIGHT_SNAPSHOT, (SPAN_IN_FLIGHT,), "int", "1, 2, ... per request"),
+    AttributeSpec(
+        IN_FLIGHT_EVENT_MS, (SPAN_IN_FLIGHT,), "double", "event: the span's duration so far"
+    ),
+    AttributeSpec(
+        IN_FLIGHT_EVENT_OPEN, (SPAN_IN_FLIGHT,), "boolean", "event: the span is still open"
+    ),
     AttributeSpec(
         KV_TRANSFER_MS,
         (SPAN_WAIT,),

@@ -67,8 +67,15 @@ def test_gateway_keeps_preempted_errors_aborted_slow_and_a_share() -> None:
     by_type: dict[str, list[dict[str, Any]]] = {}
     for p in policies():
         by_type.setdefault(p["type"], []).append(p)
-    (ottl,) = by_type["ottl_condition"]
-    assert ottl["ottl_condition"]["span"] == [f'name == "{S.SPAN_PREEMPTED}"']
+    ottl = {p["name"]: p["ottl_condition"]["span"] for p in by_type["ottl_condition"]}
+    assert ottl == {
+        "preempted": [f'name == "{S.SPAN_PREEMPTED}"'],
+        "in-flight": [f'name == "{S.SPAN_IN_FLIGHT}"'],
+    }
+    # The final journey of a trace kept for its snapshot arrives later: the
+    # decision cache keeps it.
+    cache = GATEWAY["processors"]["tail_sampling"]["decision_cache"]
+    assert cache["sampled_cache_size"] >= GATEWAY["processors"]["tail_sampling"]["num_traces"]
     (status,) = by_type["status_code"]
     assert status["status_code"]["status_codes"] == ["ERROR"]
     finish = [

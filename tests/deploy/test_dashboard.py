@@ -181,8 +181,9 @@ def test_every_promised_attribute_is_emitted_by_real_journeys(tracing) -> None: 
         emitted.setdefault(span.name, set()).update(span.attributes or {})
         resource.update(span.resource.attributes)
     # Every span of the plain path; vllm.wait (a wait happened) and vllm.step (the
-    # opt-in step view) are covered in tests/engine/test_beyond_plain.py.
-    plain = set(S.SPAN_NAMES) - {S.SPAN_WAIT, S.SPAN_STEP}
+    # opt-in step view) are covered in tests/engine/test_beyond_plain.py, vllm.in_flight
+    # (a request in flight past the threshold) in tests/engine/test_in_flight.py.
+    plain = set(S.SPAN_NAMES) - {S.SPAN_WAIT, S.SPAN_STEP, S.SPAN_IN_FLIGHT}
     assert plain <= set(emitted), plain - set(emitted)
 
     promises = list(collector_refs()[1])
@@ -198,7 +199,8 @@ def test_every_promised_attribute_is_emitted_by_real_journeys(tracing) -> None: 
     }  # fmt: skip
     missing = []
     for names, key in promises:
-        if key in feature_only:
+        # vllm.in_flight's attributes: tests/engine/test_in_flight.py asserts them.
+        if key in feature_only or (names and names <= {S.SPAN_IN_FLIGHT}):
             continue
         if key in RESOURCE_KEYS:
             ok = key in resource

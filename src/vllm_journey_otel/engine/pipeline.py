@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from vllm_journey_otel.config import Config
@@ -116,6 +116,10 @@ class JourneyPipeline:
         self.failed = 0
         self._dropped_logged = 0
         self._last_drop_log = -_DROP_LOG_PERIOD_S  # the first drop is reported at once
+        # Drain thread: sources of records it adds itself (in-flight snapshots),
+        # each called with the engine clock's now; and what they lost to a full queue.
+        self._watchers: list[Callable[[int], Sequence[Record]]] = []
+        self.watch_dropped = 0
         self._thread: threading.Thread | None = None
         if start_thread:
             self._thread = threading.Thread(target=self._run, name="vllm-journey-otel", daemon=True)
@@ -176,6 +180,7 @@ class JourneyPipeline:
         while not self._stop.wait(self._interval_s):
             try:
                 self.sink.maintain()  # a lost exporter is noticed and replaced here
+                self._watch()
                 if self.engine_hands_on():
                     with self._drain_lock:
                         self._report_drops()
@@ -189,6 +194,23 @@ class JourneyPipeline:
                         failures,
                         exc_info=True,
                     )
+
+    def watch(self, source: Callable[[int], Sequence[Record]]) -> None:
+        """Have the drain thread call ``source(now_ns)`` on each wake-up and queue
+        what it returns (any thread; before the first wake-up, or it waits one)."""
+        self._watchers.append(source)
+
+    def _watch(self) -> None:
+        if not self._watchers:
+            return
+        now_ns = time.monotonic_ns()
+        queue = self._queue
+        for source in self._watchers:
+            for record in source(now_ns):
+                if len(queue) >= self._max_queue:
+                    self.watch_dropped += 1
+                else:
+                    queue.append(record)  # deque.append: safe beside the engine thread's
 
     def engine_hands_on(self, now_ns: int | None = None) -> bool:
         """Drain thread: whether the engine thread is stepping (it called

@@ -32,6 +32,7 @@ state (e.g. a preemption of a queued request) are ignored rather than raised.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from typing import Final
 
@@ -51,6 +52,8 @@ from vllm_journey_otel.journey import (
 )
 from vllm_journey_otel.rng import RNG
 
+# Root ids are chosen once per journey, by whichever thread needs them first.
+_IDS_LOCK = threading.Lock()
 # Journey states (small ints: compared on the engine thread).
 QUEUED: Final = 0
 RUNNING: Final = 1
@@ -215,13 +218,17 @@ class RequestJourney:
         (the same immutable object after that: a step view links it every step)."""
         target = self.link
         if target is None:
-            ids = self.root_ids  # chosen at admission when a ratio decided on them
-            if ids is None:
-                bits = RNG.getrandbits  # not vLLM's seeded global random (rng.py)
-                ids = self.root_ids = RootIds(bits(64), bits(64) or 1, bits(64) or 1)
-            # The journey's own bounded copy, never changed after admission: shared.
-            headers = self.trace_headers
-            target = self.link = LinkTarget(self.request_id, ids, headers)
+            # Once per journey, by the engine thread or the drain thread's
+            # in-flight snapshot (in_flight.py), whichever comes first.
+            with _IDS_LOCK:
+                target = self.link
+                if target is None:
+                    ids = self.root_ids  # chosen at admission when a ratio decided on them
+                    if ids is None:
+                        bits = RNG.getrandbits  # not vLLM's seeded global random (rng.py)
+                        ids = self.root_ids = RootIds(bits(64), bits(64) or 1, bits(64) or 1)
+                    # The journey's own bounded copy, never changed after admission.
+                    target = self.link = LinkTarget(self.request_id, ids, self.trace_headers)
         return target
 
     # -- transitions -------------------------------------------------------

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_journey_otel.engine.handoff import _pipeline_for, flush
+from vllm_journey_otel.engine.in_flight import InFlightWatch
 from vllm_journey_otel.engine.state import _STATE, TRACKER_ATTR, _fail
 from vllm_journey_otel.engine.tracker import SchedulerTracker, _now
 from vllm_journey_otel.log import logger
@@ -37,6 +38,9 @@ def _wrap_init(orig: Callable[..., Any]) -> Callable[..., Any]:
             tracker = SchedulerTracker(self, _pipeline_for(self), hook_preempt)
             _STATE.trackers.add(tracker)
             self.__dict__[TRACKER_ATTR] = tracker
+            if _STATE.config.in_flight_s > 0:  # snapshots of requests that do not end
+                watch = InFlightWatch(self, _STATE.config.in_flight_s, lambda: tracker.step)
+                tracker.pipeline.watch(watch.due)
         except Exception:
             _fail("Scheduler.__init__")
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, SpanLimits
+from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits
 from opentelemetry.sdk.util import BoundedList
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
@@ -77,6 +77,7 @@ class SpanBuilder:
         self.max_span_attribute_length = limits.max_span_attribute_length
         self.max_attribute_length = limits.max_attribute_length
         self.max_links = limits.max_links
+        self.max_events = limits.max_events
         self._span_id = span_id
         self._trace_id = trace_id
 
@@ -93,6 +94,13 @@ class SpanBuilder:
         if self.max_links is not None and len(out) > self.max_links:
             return BoundedList.from_seq(self.max_links, out)
         return out
+
+    def _events(self, p: PlannedSpan) -> Sequence[Event]:
+        limit = self.max_attribute_length
+        events = [Event(name, bounded(a, limit), t) for name, t, a in p.events]
+        if self.max_events is not None and len(events) > self.max_events:
+            return BoundedList.from_seq(self.max_events, events)
+        return events
 
     def build(
         self,
@@ -130,6 +138,7 @@ class SpanBuilder:
                     start_time=p.start_unix_ns,
                     end_time=p.end_unix_ns,
                     instrumentation_scope=self.scope,
+                    events=self._events(p) if p.events else (),
                 )
             )
         return spans

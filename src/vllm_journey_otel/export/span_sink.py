@@ -33,9 +33,10 @@ from vllm_journey_otel.export.exporters import (
     span_limits,
 )
 from vllm_journey_otel.export.health import ExportHealth
+from vllm_journey_otel.export.in_flight_spans import plan_in_flight
 from vllm_journey_otel.export.span_builder import SpanBuilder
 from vllm_journey_otel.export.spans import ROOT, plan_spans, plan_step, root_context
-from vllm_journey_otel.journey import Record, StepRecord
+from vllm_journey_otel.journey import InFlight, Record, StepRecord
 from vllm_journey_otel.log import logger
 
 
@@ -128,6 +129,9 @@ class SpanSink:
                 offset_ns = self._clock.anchor.offset_ns
                 if isinstance(journey, StepRecord):
                     built.append(self.builder.build_step(plan_step(journey, offset_ns)))
+                elif isinstance(journey, InFlight):
+                    span, parent = plan_in_flight(journey, offset_ns)
+                    built.extend(self.builder.build([span], parent))
                 else:
                     health.journeys += 1
                     anchor = self._clock.anchor

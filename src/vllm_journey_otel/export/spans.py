@@ -64,6 +64,8 @@ class PlannedSpan:
     links: list[trace.Link] = field(default_factory=list)
     # Root only: ids chosen in advance because other spans link to this root.
     ids: RootIds | None = None
+    # Span events: (name, epoch ns, attributes); an in-flight snapshot's spans so far.
+    events: list[tuple[str, int, dict[str, AttributeValue]]] = field(default_factory=list)
 
 
 def trace_id_of(ids: RootIds) -> int:
@@ -86,7 +88,7 @@ def _drafts(attrs: dict[str, AttributeValue], proposed: int, accepted: int) -> N
         attrs[S.SPEC_ACCEPTANCE_RATE] = accepted / proposed
 
 
-def _progress(s: Snapshot, j: FinishedJourney) -> dict[str, AttributeValue]:
+def progress(s: Snapshot, j: FinishedJourney) -> dict[str, AttributeValue]:
     attrs: dict[str, AttributeValue] = {
         S.PREFILL_DONE_TOKENS: s.prefill_done_tokens,
         S.PREFILL_TOTAL_TOKENS: j.prompt_tokens,
@@ -142,7 +144,7 @@ class _Planner:
         queued_end = self.first_sched.at if self.first_sched is not None else j.end
         root = PlannedSpan(S.SPAN_REQUEST, start, self.root_end, None, kind=SpanKind.SERVER)
         queued = PlannedSpan(
-            S.SPAN_QUEUED, self.at(j.admitted), self.at(queued_end), ROOT, _progress(queued_end, j)
+            S.SPAN_QUEUED, self.at(j.admitted), self.at(queued_end), ROOT, progress(queued_end, j)
         )
         for key, value in (
             (S.KV_CACHE_USAGE, j.admitted_kv_cache_usage),
@@ -183,7 +185,7 @@ class _Planner:
             return
         span = self.plan[idx]
         span.end_unix_ns = max(span.start_unix_ns, self.at(s))
-        span.attributes.update(_progress(s, self.j))
+        span.attributes.update(progress(s, self.j))
         if extra:
             span.attributes.update(extra)
 

@@ -183,7 +183,11 @@ def explain(root: FileSpan, spans: Iterable[FileSpan]) -> Explanation:
     kids: dict[str, list[FileSpan]] = {}
     for s in spans:
         kids.setdefault(s.parent_span_id, []).append(s)
-    children = sorted(kids.get(root.span_id, []), key=lambda s: s.start_unix_ns)
+    # The journey's phases (an in-flight snapshot under the root is no phase).
+    children = sorted(
+        (c for c in kids.get(root.span_id, []) if c.name in _CHILDREN),
+        key=lambda s: s.start_unix_ns,
+    )
     e = Explanation(
         str(a.get(S.REQUEST_ID, "")),
         root.trace_id,

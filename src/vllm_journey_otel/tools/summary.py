@@ -24,7 +24,7 @@ PHASES = (
 )
 PERCENTILES = (50, 90, 95, 99)
 # The only spans whose attributes the summary reads.
-SUMMARY_ATTRIBUTES = frozenset({S.SPAN_REQUEST, S.SPAN_WAIT})
+SUMMARY_ATTRIBUTES = frozenset({S.SPAN_REQUEST, S.SPAN_WAIT, S.SPAN_IN_FLIGHT})
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -99,6 +99,10 @@ class Summary:
     drafts_proposed: int = 0
     drafts_accepted: int = 0
     acceptance_rates: list[float] = field(default_factory=list)
+    # Requests seen in flight past the threshold (vllm.in_flight snapshots):
+    # request id -> (longest in flight seen in ms, state then, wait reason then).
+    in_flight: dict[str, tuple[float, str, str | None]] = field(default_factory=dict)
+    ended: set[str] = field(default_factory=set)  # request ids whose journey is here
 
     def to_dict(self) -> dict[str, Any]:
         def stats(values: list[float]) -> dict[str, float] | None:
@@ -151,6 +155,18 @@ class Summary:
                 {"duration_ms": round(d, 3), "request_id": rid, "trace_id": tid, "preemptions": n}
                 for d, rid, tid, n in sorted(self.slowest, reverse=True)
             ],
+            "in_flight": [
+                {
+                    "request_id": rid,
+                    "longest_seen_ms": round(ms, 3),
+                    "state": state,
+                    "wait_reason": reason,
+                    "ended": rid in self.ended,
+                }
+                for rid, (ms, state, reason) in sorted(
+                    self.in_flight.items(), key=lambda kv: -kv[1][0]
+                )
+            ],
         }
 
 
@@ -173,6 +189,8 @@ def summarize(spans: Iterable[FileSpan], top: int = 10) -> Summary:
                 summary.kv_transfer_ms.append(float(transfer))
                 if span.attributes.get(S.KV_TRANSFER_FAILED) is True:
                     summary.kv_transfer_failed += 1
+        elif span.name == S.SPAN_IN_FLIGHT:
+            _in_flight(summary, span.attributes)
         elif span.name == S.SPAN_PREEMPTED:
             lost_by_parent[span.parent_span_id] = (
                 lost_by_parent.get(span.parent_span_id, 0.0)
@@ -181,6 +199,7 @@ def summarize(spans: Iterable[FileSpan], top: int = 10) -> Summary:
     slowest: list[tuple[float, str, str, int]] = []
     for span_id, j in roots.items():
         summary.journeys += 1
+        summary.ended.add(j.request_id)
         summary.statuses[j.status] += 1
         for (name, _), value in zip(PHASES, j.phases, strict=True):
             if value is not None:  # missing is not zero: absent intervals are not counted
@@ -205,6 +224,16 @@ def summarize(spans: Iterable[FileSpan], top: int = 10) -> Summary:
             heapq.heappushpop(slowest, item)
     summary.slowest = slowest
     return summary
+
+
+def _in_flight(summary: Summary, a: dict[str, Any]) -> None:
+    """A snapshot: keep the request's longest-seen one."""
+    rid = str(a.get(S.REQUEST_ID, ""))
+    ms = float(a.get(S.IN_FLIGHT_MS, 0.0))
+    if rid not in summary.in_flight or ms > summary.in_flight[rid][0]:
+        reason = a.get(S.WAIT_REASON)
+        summary.in_flight[rid] = (ms, str(a.get(S.IN_FLIGHT_STATE, "unknown")),
+                                  None if reason is None else str(reason))  # fmt: skip
 
 
 def format_text(d: dict[str, Any]) -> str:
@@ -262,5 +291,16 @@ def format_text(d: dict[str, Any]) -> str:
             lines.append(
                 f"  {s['duration_ms']:>10.2f}  {s['preemptions']:>7}  {s['trace_id']}  "
                 f"{s['request_id']}"
+            )
+    if d.get("in_flight"):
+        lines += [
+            "",
+            "seen in flight past the threshold (vllm.in_flight snapshots):",
+            f"  {'longest ms':>12}  {'then':<10} {'waiting for':<26} ended  request_id",
+        ]
+        for f in d["in_flight"]:
+            lines.append(
+                f"  {f['longest_seen_ms']:>12.1f}  {f['state']:<10} {f['wait_reason'] or '-':<26} "
+                f"{'yes' if f['ended'] else 'no':<6} {f['request_id']}"
             )
     return "\n".join(lines)
