@@ -48,7 +48,9 @@ class Node:
 
 def journeys(spans: Iterable[ReadableSpan]) -> dict[str, Node]:
     """request id -> root node, children sorted by start time."""
-    spans = [s for s in spans if s.name != S.SPAN_STEP]  # the step view: own traces
+    # The step view's spans are traces of their own; an in-flight snapshot is no
+    # part of the journey's tree (and may arrive before its root).
+    spans = [s for s in spans if s.name not in (S.SPAN_STEP, S.SPAN_IN_FLIGHT)]
     by_id = {s.context.span_id: Node(s) for s in spans}
     roots: dict[str, Node] = {}
     for node in by_id.values():
