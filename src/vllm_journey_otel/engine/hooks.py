@@ -55,9 +55,8 @@ from vllm_journey_otel.engine.state import (
     JOURNEY_ATTR,
     TRACKER_ATTR,
     VllmMoved,
-    _engine_proc_manager,
-    _frontend_classes,
     _vllm,
+    target_classes,
 )
 from vllm_journey_otel.engine.tracker import (
     SchedulerTracker,
@@ -187,13 +186,7 @@ def install(
 def _wrap_targets(scheduler_cls: type) -> None:
     """Wrap every target of compat.TARGETS that this vLLM has as expected; say
     once what each optional one left out costs."""
-    async_llm, output_processor = _frontend_classes()
-    classes = {
-        SCHEDULER: scheduler_cls,
-        ASYNC_LLM: async_llm,
-        OUTPUT_PROCESSOR: output_processor,
-        PROC_MANAGER: _engine_proc_manager(),
-    }
+    classes = target_classes(scheduler_cls)
     wrap, left_out = patchable(classes)
     for target in wrap:
         cls = classes[target.owner]

@@ -35,10 +35,6 @@ from typing import Any
 from packaging.version import InvalidVersion, Version
 
 from vllm_journey_otel.engine.compat import (
-    ASYNC_LLM,
-    OUTPUT_PROCESSOR,
-    PROC_MANAGER,
-    SCHEDULER,
     SUPPORTED_VLLM,
     TARGETS,
     check,
@@ -46,9 +42,8 @@ from vllm_journey_otel.engine.compat import (
 )
 from vllm_journey_otel.engine.state import (
     VllmMoved,
-    _engine_proc_manager,
-    _frontend_classes,
     _vllm,
+    target_classes,
 )
 
 GROUP = "vllm.general_plugins"
@@ -180,13 +175,7 @@ def vllm_check() -> Result:
     support = check(version, scheduler_cls)
     if not support.ok:
         return _result("vllm", FAIL, support.reason, f"install vllm{SUPPORTED_VLLM}")
-    async_llm, output_processor = _frontend_classes()
-    classes = {
-        SCHEDULER: scheduler_cls,
-        ASYNC_LLM: async_llm,
-        OUTPUT_PROCESSOR: output_processor,
-        PROC_MANAGER: _engine_proc_manager(),
-    }
+    classes = target_classes(scheduler_cls)
     _, left_out = patchable(classes)
     required = sum(t.required for t in TARGETS)
     summary = f"{support.reason}; the {required} required Scheduler methods"

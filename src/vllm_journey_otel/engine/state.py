@@ -81,6 +81,17 @@ def _frontend_classes() -> tuple[type | None, type | None]:
     return _optional_class(ASYNC_LLM), _optional_class(OUTPUT_PROCESSOR)
 
 
+def target_classes(scheduler_cls: type) -> dict[str, type | None]:
+    """Every class compat.TARGETS names, by its name there (None where missing)."""
+    async_llm, output_processor = _frontend_classes()
+    return {
+        SCHEDULER: scheduler_cls,
+        ASYNC_LLM: async_llm,
+        OUTPUT_PROCESSOR: output_processor,
+        PROC_MANAGER: _engine_proc_manager(),
+    }
+
+
 class _State:
     """Process-wide plugin state (one per process)."""
 

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from vllm_journey_otel.tools import doctor, perfetto
@@ -111,7 +111,9 @@ def _summary(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _reader(args: argparse.Namespace, errors: _Errors, progress: _Progress):  # type: ignore[no-untyped-def]
+def _reader(
+    args: argparse.Namespace, errors: _Errors, progress: _Progress
+) -> Callable[[frozenset[str] | None], Iterable[FileSpan]]:
     """A fresh span iterator per call (tools read the files twice); bad lines
     are reported on the first pass only."""
     first = [True]
