@@ -470,24 +470,33 @@ def test_preemptions_without_the_private_hook(tracing, monkeypatch) -> None:
 
 @SCHEDULERS
 def test_admission_records_the_schedulers_counters(tracing, async_scheduling: bool) -> None:
-    """The first vllm.queued carries what the engine looked like at admission: the
-    scheduler's own KV-cache usage and queue lengths, read right after add."""
+    """The first vllm.queued carries what the engine looked like at admission: vLLM's
+    own KV-cache usage and request counts (its waiting count includes the queues it
+    keeps beside ``waiting``: a request waiting for its grammar is counted too)."""
     e = harness.Engine(async_scheduling=async_scheduling)
     s = e.scheduler
+
+    def counts() -> tuple[float, int, int]:
+        return (s.get_kv_cache_usage(), *s.get_request_counts())
+
     e.add("first", prompt_len=24, max_tokens=30)
-    seen = {"first": (s.kv_cache_manager.usage, len(s.running), len(s.waiting))}
+    seen = {"first": counts()}
     e.step()
     e.step()
-    e.add("second", prompt_len=16, max_tokens=4)
+    e.add("grammar", prompt_len=16, max_tokens=4, json_schema='{"type": "object"}')
     e.add("third", prompt_len=16, max_tokens=4)
-    seen["third"] = (s.kv_cache_manager.usage, len(s.running), len(s.waiting))
+    seen["third"] = counts()
     assert seen["third"][1] == 1 and seen["third"][0] > 0, "precondition: first is running"
+    for _ in range(5):
+        e.step()
+    e.compile_grammar("grammar")
     e.run()
     journeys = tracing.journeys()
     for rid, (usage, running, waiting) in seen.items():
         queued = journeys[rid].kids(S.SPAN_QUEUED)[0]
         assert queued.attrs[S.KV_CACHE_USAGE] == usage
         assert queued.attrs[S.NUM_RUNNING] == running
-        assert queued.attrs[S.NUM_WAITING] == waiting  # this request included
+        assert queued.attrs[S.NUM_WAITING] == waiting
+    # third, the grammar request ahead of it, and nothing else: on every release.
     assert journeys["third"].kids(S.SPAN_QUEUED)[0].attrs[S.NUM_WAITING] == 2
     assert journeys["first"].kids(S.SPAN_QUEUED)[0].attrs[S.NUM_RUNNING] == 0

@@ -183,6 +183,13 @@ def test_cli_explain(traced: tuple[Any, Path], capsys: pytest.CaptureFixture[str
     assert whole["journeys"] == 12 and whole["causes"][0]["share"] > 0
     assert cli_main(["explain", str(path)]) == 0
     assert "where it went" in capsys.readouterr().out
+    assert cli_main(["explain", str(path), str(path), "--json"]) == 0  # named twice: read once
+    assert json.loads(capsys.readouterr().out) == whole
+    for bad in (["--top", "0"], ["--slowest", "-1"]):
+        with pytest.raises(SystemExit) as exit_:
+            cli_main(["explain", str(path), *bad])
+        assert exit_.value.code == 2
+    assert "must be 1 or more" in capsys.readouterr().err
     assert cli_main(["explain", str(path), "--request", "nobody"]) == 1
     assert cli_main(["explain", str(path.parent / "missing.jsonl")]) == 2
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import REQUIRE_VLLM
 from records import write_trace_file
 from vllm_journey_otel.tools import explain as X
 from vllm_journey_otel.tools.cli import CHROMIUM_FLAGS
@@ -26,6 +27,10 @@ from vllm_journey_otel.tools.cli import main as cli_main
 from vllm_journey_otel.tools.tracefile import read_spans
 
 N = 10_000
+# As tests/tools/test_tracefile.py: required where the suite is required to run whole.
+pytestmark = pytest.mark.skipif(
+    shutil.which("chromium") is None and not REQUIRE_VLLM, reason="chromium not installed"
+)
 
 
 @pytest.fixture(scope="module")

@@ -79,6 +79,8 @@ DRAIN_WRITE_S = 0.2
 # The engine thread hands finished journeys on at most this often (publish_due).
 # The exporter's paced read (sinks.READ_PACE_S) is twice this.
 PUBLISH_INTERVAL_NS = 25_000_000
+# In-flight snapshots the drain thread hands on per wake-up, at most.
+WATCH_BATCH = 256
 
 
 class JourneyPipeline:
@@ -116,9 +118,9 @@ class JourneyPipeline:
         self.failed = 0
         self._dropped_logged = 0
         self._last_drop_log = -_DROP_LOG_PERIOD_S  # the first drop is reported at once
-        # Drain thread: sources of records it adds itself (in-flight snapshots),
-        # each called with the engine clock's now; and what they lost to a full queue.
-        self._watchers: list[Callable[[int], Sequence[Record]]] = []
+        # Drain thread: sources of records it hands on itself (in-flight
+        # snapshots); and how many of those the sink could not take.
+        self._watchers: list[Callable[[int, int], Sequence[Record]]] = []
         self.watch_dropped = 0
         self._thread: threading.Thread | None = None
         if start_thread:
@@ -195,22 +197,33 @@ class JourneyPipeline:
                         exc_info=True,
                     )
 
-    def watch(self, source: Callable[[int], Sequence[Record]]) -> None:
-        """Have the drain thread call ``source(now_ns)`` on each wake-up and queue
-        what it returns (any thread; before the first wake-up, or it waits one)."""
+    def watch(self, source: Callable[[int, int], Sequence[Record]]) -> None:
+        """Have the drain thread call ``source(now_ns, room)`` on each wake-up and
+        hand what it returns (at most ``room`` records) to the sink itself: the
+        engine thread never encodes them."""
         self._watchers.append(source)
 
     def _watch(self) -> None:
         if not self._watchers:
             return
         now_ns = time.monotonic_ns()
-        queue = self._queue
+        records: list[Record] = []
         for source in self._watchers:
-            for record in source(now_ns):
-                if len(queue) >= self._max_queue:
-                    self.watch_dropped += 1
-                else:
-                    queue.append(record)  # deque.append: safe beside the engine thread's
+            records.extend(source(now_ns, WATCH_BATCH - len(records)))
+        if not records:
+            return
+        with self._drain_lock:
+            lost = self.sink.consume(
+                records, self.dropped + self.failed, time.monotonic() + DRAIN_WRITE_S
+            )
+        if lost:
+            self.watch_dropped += lost
+            if self.watch_dropped == lost or self.watch_dropped % 1000 < lost:
+                logger.warning(
+                    "journey-otel: %d in-flight snapshots could not be handed on so far; %s",
+                    self.watch_dropped,
+                    self.sink.drop_advice,
+                )
 
     def engine_hands_on(self, now_ns: int | None = None) -> bool:
         """Drain thread: whether the engine thread is stepping (it called

@@ -221,15 +221,25 @@ class RequestJourney:
             # Once per journey, by the engine thread or the drain thread's
             # in-flight snapshot (in_flight.py), whichever comes first.
             with _IDS_LOCK:
-                target = self.link
-                if target is None:
-                    ids = self.root_ids  # chosen at admission when a ratio decided on them
-                    if ids is None:
-                        bits = RNG.getrandbits  # not vLLM's seeded global random (rng.py)
-                        ids = self.root_ids = RootIds(bits(64), bits(64) or 1, bits(64) or 1)
-                    # The journey's own bounded copy, never changed after admission.
-                    target = self.link = LinkTarget(self.request_id, ids, self.trace_headers)
+                target = self._link_locked()
         return target
+
+    def _link_locked(self) -> LinkTarget:
+        target = self.link
+        if target is None:
+            ids = self.root_ids  # chosen at admission when a ratio decided on them
+            if ids is None:
+                bits = RNG.getrandbits  # not vLLM's seeded global random (rng.py)
+                ids = self.root_ids = RootIds(bits(64), bits(64) or 1, bits(64) or 1)
+            # The journey's own bounded copy, never changed after admission.
+            target = self.link = LinkTarget(self.request_id, ids, self.trace_headers)
+        return target
+
+    def snapshot_ids(self) -> RootIds | None:
+        """Drain thread: the ids the root will have, fixed now if need be; None
+        once the journey finished (its root took the ids it had then)."""
+        with _IDS_LOCK:
+            return None if self.state == FINISHED else self._link_locked().ids
 
     # -- transitions -------------------------------------------------------
     def wait_began(self, t_mono_ns: int, step: int, reason: int) -> None:
@@ -453,6 +463,9 @@ class RequestJourney:
             output_tokens = 0
         output_tokens += self.outputs_before
         end_chunks = self.prefill_chunks if self.state == RUNNING and not self.decoding else 0
+        with _IDS_LOCK:  # a snapshot fixing the ids now would fix them too late
+            root_ids = self.root_ids
+            self.state = FINISHED
         # Positional, in field order (keywords cost ~0.25 us more per journey on
         # the engine thread); tests/export/test_spans_plan.py round-trips every field.
         journey = FinishedJourney(
@@ -480,13 +493,12 @@ class RequestJourney:
             self.lora_name,
             self.trace_headers,  # our bounded copy (never changed)
             self.head_sampled,
-            self.root_ids,
+            root_ids,
             self.session,
             self.spec_decode,
             self.drafts_proposed,
             self.drafts_accepted,
             *self.admitted_engine,
         )
-        self.state = FINISHED
         self.events = []
         return journey

@@ -39,7 +39,7 @@ def _wrap_init(orig: Callable[..., Any]) -> Callable[..., Any]:
             _STATE.trackers.add(tracker)
             self.__dict__[TRACKER_ATTR] = tracker
             if _STATE.config.in_flight_s > 0:  # snapshots of requests that do not end
-                watch = InFlightWatch(self, _STATE.config.in_flight_s, lambda: tracker.step)
+                watch = InFlightWatch(self, _STATE.config.in_flight_s, tracker)
                 tracker.pipeline.watch(watch.due)
         except Exception:
             _fail("Scheduler.__init__")

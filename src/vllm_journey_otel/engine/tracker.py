@@ -143,8 +143,10 @@ class SchedulerTracker:
         )
         if root_ids is not None:  # the trace id the ratio was decided on
             j.root_ids = root_ids
-        s = self.scheduler  # what the engine looked like when it was admitted
-        j.admitted_engine = (float(s.kv_cache_manager.usage), len(s.running), len(s.waiting))
+        # What the engine looked like when it was admitted, by vLLM's own counts
+        # (its waiting count includes the queues it keeps beside `waiting`).
+        running, waiting = self.scheduler.get_request_counts()
+        j.admitted_engine = (float(self.scheduler.get_kv_cache_usage()), running, waiting)
         setattr(request, JOURNEY_ATTR, j)
         reason = self.status_waits.get(request.status)
         if reason is not None:  # a grammar to compile before it can be scheduled

@@ -230,20 +230,20 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("files", nargs="+", help="OTLP/JSON-lines trace files")
     e.add_argument("--request", action="append", metavar="ID", help="a request id (repeatable)")
     e.add_argument("--trace", action="append", metavar="ID", help="a trace id (repeatable)")
-    e.add_argument("--slowest", type=int, metavar="N", help="the N slowest requests")
-    e.add_argument("--top", type=int, default=3, help="whole file: requests listed per cause")
+    e.add_argument("--slowest", type=_positive, metavar="N", help="the N slowest requests")
+    e.add_argument("--top", type=_positive, default=3, help="whole file: requests per cause")
     e.add_argument("--json", action="store_true", help="machine-readable output")
     e.set_defaults(func=_explain)
     s = sub.add_parser("summary", help="per-phase latency, preemptions, statuses, tokens")
     s.add_argument("files", nargs="+", help="OTLP/JSON-lines trace files")
     s.add_argument("--json", action="store_true", help="machine-readable output")
-    s.add_argument("--top", type=int, default=10, help="slowest requests to list")
+    s.add_argument("--top", type=_positive, default=10, help="slowest requests to list")
     s.set_defaults(func=_summary)
     t = sub.add_parser("timeline", help="a self-contained HTML page of every journey")
     t.add_argument("files", nargs="+", help="OTLP/JSON-lines trace files")
     t.add_argument("-o", "--output", default="journeys.html", help="HTML file to write")
     t.add_argument(
-        "--limit", type=int, default=DEFAULT_LIMIT, help="rows to draw (the slowest kept)"
+        "--limit", type=_positive, default=DEFAULT_LIMIT, help="rows to draw (the slowest kept)"
     )
     t.add_argument("--png", help="also render to this PNG with headless Chromium")
     t.set_defaults(func=_timeline)
@@ -257,8 +257,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if isinstance(getattr(args, "files", None), list):
+        # A file named twice is read once (every tool counts what it reads).
+        args.files = list(dict.fromkeys(args.files))
     return int(args.func(args))
 
 

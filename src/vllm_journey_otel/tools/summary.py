@@ -99,10 +99,11 @@ class Summary:
     drafts_proposed: int = 0
     drafts_accepted: int = 0
     acceptance_rates: list[float] = field(default_factory=list)
-    # Requests seen in flight past the threshold (vllm.in_flight snapshots):
-    # request id -> (longest in flight seen in ms, state then, wait reason then).
-    in_flight: dict[str, tuple[float, str, str | None]] = field(default_factory=dict)
-    ended: set[str] = field(default_factory=set)  # request ids whose journey is here
+    # Requests seen in flight past the threshold (vllm.in_flight snapshots), by
+    # the root span id they belong to: (request id, longest in flight seen in ms,
+    # state then, wait reason then).
+    in_flight: dict[str, tuple[str, float, str, str | None]] = field(default_factory=dict)
+    ended: set[str] = field(default_factory=set)  # root span ids whose journey is here
 
     def to_dict(self) -> dict[str, Any]:
         def stats(values: list[float]) -> dict[str, float] | None:
@@ -161,10 +162,10 @@ class Summary:
                     "longest_seen_ms": round(ms, 3),
                     "state": state,
                     "wait_reason": reason,
-                    "ended": rid in self.ended,
+                    "ended": root in self.ended,
                 }
-                for rid, (ms, state, reason) in sorted(
-                    self.in_flight.items(), key=lambda kv: -kv[1][0]
+                for root, (rid, ms, state, reason) in sorted(
+                    self.in_flight.items(), key=lambda kv: -kv[1][1]
                 )
             ],
         }
@@ -190,7 +191,7 @@ def summarize(spans: Iterable[FileSpan], top: int = 10) -> Summary:
                 if span.attributes.get(S.KV_TRANSFER_FAILED) is True:
                     summary.kv_transfer_failed += 1
         elif span.name == S.SPAN_IN_FLIGHT:
-            _in_flight(summary, span.attributes)
+            _in_flight(summary, span)
         elif span.name == S.SPAN_PREEMPTED:
             lost_by_parent[span.parent_span_id] = (
                 lost_by_parent.get(span.parent_span_id, 0.0)
@@ -199,7 +200,7 @@ def summarize(spans: Iterable[FileSpan], top: int = 10) -> Summary:
     slowest: list[tuple[float, str, str, int]] = []
     for span_id, j in roots.items():
         summary.journeys += 1
-        summary.ended.add(j.request_id)
+        summary.ended.add(span_id)
         summary.statuses[j.status] += 1
         for (name, _), value in zip(PHASES, j.phases, strict=True):
             if value is not None:  # missing is not zero: absent intervals are not counted
@@ -226,14 +227,22 @@ def summarize(spans: Iterable[FileSpan], top: int = 10) -> Summary:
     return summary
 
 
-def _in_flight(summary: Summary, a: dict[str, Any]) -> None:
-    """A snapshot: keep the request's longest-seen one."""
-    rid = str(a.get(S.REQUEST_ID, ""))
-    ms = float(a.get(S.IN_FLIGHT_MS, 0.0))
-    if rid not in summary.in_flight or ms > summary.in_flight[rid][0]:
+def _in_flight(summary: Summary, span: FileSpan) -> None:
+    """A snapshot: keep the request's longest-seen one (one without its time in
+    flight is not counted: missing is not zero)."""
+    a = span.attributes
+    ms = a.get(S.IN_FLIGHT_MS)
+    if not isinstance(ms, int | float):
+        return
+    seen = summary.in_flight.get(span.parent_span_id)
+    if seen is None or ms > seen[1]:
         reason = a.get(S.WAIT_REASON)
-        summary.in_flight[rid] = (ms, str(a.get(S.IN_FLIGHT_STATE, "unknown")),
-                                  None if reason is None else str(reason))  # fmt: skip
+        summary.in_flight[span.parent_span_id] = (
+            str(a.get(S.REQUEST_ID, "")),
+            float(ms),
+            str(a.get(S.IN_FLIGHT_STATE, "unknown")),
+            None if reason is None else str(reason),
+        )
 
 
 def format_text(d: dict[str, Any]) -> str:

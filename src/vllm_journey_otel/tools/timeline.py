@@ -311,16 +311,18 @@ function pick(d){
   picked = d; panel.textContent = explainText(d); panel.style.display = "block"; draw(true);
 }
 function fromHash(){
-  const m = /request=([^&]+)/.exec(decodeURIComponent(location.hash));
+  let hash = location.hash;
+  try { hash = decodeURIComponent(hash); } catch (e) { /* malformed: use it as it is */ }
+  const m = /request=([^&]+)/.exec(hash);
   if (!m) return;
   const i = shown.findIndex(d => d.id === m[1]);
   if (i < 0) return;
   window.scrollTo(0, rowsEl.offsetTop + i * ROW_H - 120); pick(shown[i]);
 }
-relayout(); fromHash();
 window.addEventListener("scroll", () => requestAnimationFrame(() => draw(false)));
 window.addEventListener("resize", () => draw(true));
 window.addEventListener("hashchange", fromHash);
+relayout(); fromHash();
 for (const id of ["fPre", "fAb", "fSlow", "fId"]) document.getElementById(id).addEventListener("input", filter);
 for (const id of ["zoom", "pan"]) document.getElementById(id).addEventListener("input", zoom);
 rowsEl.addEventListener("wheel", ev => {
