@@ -34,6 +34,8 @@ STEPS = "VLLM_JOURNEY_OTEL_STEPS"
 STEPS_RATIO = "VLLM_JOURNEY_OTEL_STEPS_RATIO"
 # Requests in flight longer than this are exported as snapshots (in_flight.py).
 IN_FLIGHT_S = "VLLM_JOURNEY_OTEL_IN_FLIGHT_S"
+# The API server's part of each request (engine/api_server.py); on by default.
+API_SPANS = "VLLM_JOURNEY_OTEL_API_SPANS"
 # How our own code competes with vLLM's for the CPU (cpu_yield.py).
 CPU_PRIORITY = "VLLM_JOURNEY_OTEL_CPU_PRIORITY"
 EXPORTER_CPUS = "VLLM_JOURNEY_OTEL_EXPORTER_CPUS"
@@ -54,6 +56,7 @@ ALL_VARIABLES = (
     STEPS,
     STEPS_RATIO,
     IN_FLIGHT_S,
+    API_SPANS,
     CPU_PRIORITY,
     EXPORTER_CPUS,
 )
@@ -112,6 +115,10 @@ class Config:
     # snapshot of its journey so far, again at twice that age, four times, ...;
     # its final journey still comes when it ends. 0: off.
     in_flight_s: float = 60.0
+    # The API server's part of each traced request: a vllm.api.request span from
+    # the HTTP request's receipt to its last response byte, with the engine's
+    # journey nested inside. Off: the engine's root is the request's server span.
+    api_spans: bool = True
     # Our threads in vLLM's processes and the exporter process run at this CPU
     # priority: an observer yields first (vLLM's engine-core loop is one busy
     # thread per engine; every slice taken from it delays a step).
@@ -120,9 +127,13 @@ class Config:
     exporter_cpus: str | tuple[int, ...] = CPUS_AUTO
 
 
-def _flag(env: Mapping[str, str], name: str, off: str = "Journey tracing stays off") -> bool:
+def _flag(
+    env: Mapping[str, str], name: str, off: str = "Journey tracing stays off", default: bool = False
+) -> bool:
     raw = env.get(name, "")
     value = raw.strip().lower()
+    if default and not value:
+        return True
     if value in _TRUE:
         return True
     if value not in _FALSE:
@@ -221,6 +232,7 @@ def from_env(env: Mapping[str, str] | None = None) -> Config:
         steps=_flag(env, STEPS, "The step view stays off"),
         steps_ratio=_number(env, STEPS_RATIO, d.steps_ratio, 0, 1),
         in_flight_s=_number(env, IN_FLIGHT_S, d.in_flight_s, 0, 86_400),
+        api_spans=_flag(env, API_SPANS, "API-server spans stay off", default=True),
         cpu_priority=_choice(
             env, CPU_PRIORITY, d.cpu_priority, (PRIORITY_IDLE, PRIORITY_NICE, PRIORITY_NORMAL)
         ),

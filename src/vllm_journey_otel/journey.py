@@ -244,5 +244,47 @@ class InFlight(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=12):
     wait_reason: int
 
 
+# The key the API server adds to the trace headers it hands to the engine core
+# when the engine's journey is a child of its vllm.api.request span: the
+# engine's root is then an INTERNAL span (the request's one SERVER span is the
+# API server's, or the HTTP instrumentation's above it).
+API_PARENT_KEY: Final = "vllm-journey-api-parent"
+
+
+class ApiJourney(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=13):
+    """The API server's part of one HTTP request, recorded on the API server's
+    event loop. ``*_mono_ns`` are ``time.monotonic_ns()`` of the API-server
+    process (CLOCK_MONOTONIC, the engine core's clock on the same host);
+    ``arrival_time_s`` is vLLM's wall-clock arrival stamp (epoch seconds, 0:
+    none was seen). None: the moment did not happen or was not observed."""
+
+    # Ids of the vllm.api.request span, chosen at receipt and handed to the
+    # engine core as its journeys' parent.
+    ids: RootIds
+    # The parent's W3C headers (the client's, or the HTTP instrumentation's
+    # span current at receipt); None: the span starts its own trace.
+    parent_headers: dict[str, str] | None
+    # False: another instrumentation's HTTP server span is the parent (ours is
+    # INTERNAL then: one SERVER span per request).
+    server_kind: bool
+    head_sampled: bool
+    method: str
+    path: str
+    stream: bool
+    disconnected: bool
+    # 0: no response status was sent.
+    status_code: int
+    # The exception's class name when the application raised.
+    exception: str | None
+    request_ids: list[str]
+    receipt_mono_ns: int
+    end_mono_ns: int
+    arrival_time_s: float
+    handoff_mono_ns: int | None
+    first_body_mono_ns: int | None
+    last_output_mono_ns: int | None
+    chunks: int
+
+
 # What the engine hands on to be exported.
-Record = FinishedJourney | StepRecord | InFlight
+Record = FinishedJourney | StepRecord | InFlight | ApiJourney

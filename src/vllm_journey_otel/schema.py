@@ -30,7 +30,19 @@ SPAN_STEP: Final = "vllm.step"
 # journey so far, a child of the root its final journey will have.
 SPAN_IN_FLIGHT: Final = "vllm.in_flight"
 
+# The API server's part of a request (VLLM_JOURNEY_OTEL_API_SPANS): from the HTTP
+# request's receipt to its last response byte, the engine's vllm.request inside.
+SPAN_API: Final = "vllm.api.request"
+# Its input side: receipt to the hand-off to the engine core (reading, parsing,
+# rendering, tokenization); its output side: the engine's last output reaching
+# the API server to the last response byte.
+SPAN_API_INPUT: Final = "vllm.api.input"
+SPAN_API_OUTPUT: Final = "vllm.api.output"
+
 SPAN_NAMES: Final = (
+    SPAN_API,
+    SPAN_API_INPUT,
+    SPAN_API_OUTPUT,
     SPAN_REQUEST,
     SPAN_QUEUED,
     SPAN_SCHEDULED,
@@ -125,6 +137,23 @@ TRACER_LOST_SPANS: Final = "vllm.journey.tracer.lost_spans"
 # NUM_PREEMPTIONS (above) is on the root too.
 
 # ---------------------------------------------------------------------------
+# API-server spans (vllm.api.*)
+# ---------------------------------------------------------------------------
+API_TTFT_MS: Final = "vllm.api.ttft_ms"
+API_E2E_MS: Final = "vllm.api.e2e_ms"
+API_STREAM: Final = "vllm.api.stream"
+API_DISCONNECTED: Final = "vllm.api.disconnected"
+API_REQUEST_IDS: Final = "vllm.api.request_ids"
+API_READ_MS: Final = "vllm.api.read_ms"
+API_RENDER_MS: Final = "vllm.api.render_ms"
+API_CHUNKS: Final = "vllm.api.chunks"
+# OpenTelemetry's HTTP semantic conventions (stable since semconv 1.23).
+HTTP_METHOD: Final = "http.request.method"
+URL_PATH: Final = "url.path"
+HTTP_STATUS: Final = "http.response.status_code"
+ERROR_TYPE: Final = "error.type"
+
+# ---------------------------------------------------------------------------
 # Resource attributes
 # ---------------------------------------------------------------------------
 RES_SERVICE_NAME: Final = "service.name"
@@ -191,6 +220,8 @@ _BELOW_ROOT = (SPAN_QUEUED, SPAN_SCHEDULED, SPAN_PREFILL, SPAN_DECODE, SPAN_PREE
 # Progress attributes: on every span below the root, and on an in-flight snapshot.
 _PROGRESS = (*_BELOW_ROOT, SPAN_IN_FLIGHT)
 
+_API = (SPAN_API,)
+
 # Every attribute we emit, with where it appears. docs/spans.md is tested against
 # this table (same keys, same spans) so the documentation cannot drift.
 ATTRIBUTES: Final[tuple[AttributeSpec, ...]] = (
@@ -219,19 +250,19 @@ ATTRIBUTES: Final[tuple[AttributeSpec, ...]] = (
     ),
     AttributeSpec(
         SAMPLED_BY,
-        (SPAN_REQUEST,),
+        (SPAN_REQUEST, SPAN_API),
         "string",
         "head (sampled at admission) or tail (kept by the tail rule)",
     ),
     AttributeSpec(
         TRACER_DROPPED_JOURNEYS,
-        (SPAN_REQUEST,),
+        (SPAN_REQUEST, SPAN_API),
         "int",
         "journeys this engine core dropped before this one (full queue, exporter gone); cumulative",
     ),
     AttributeSpec(
         TRACER_LOST_SPANS,
-        (SPAN_REQUEST,),
+        (SPAN_REQUEST, SPAN_API),
         "int",
         "spans the exporter could not deliver before this one (export failed, full "
         "queue); cumulative",
@@ -306,6 +337,38 @@ ATTRIBUTES: Final[tuple[AttributeSpec, ...]] = (
         SEGMENT, (SPAN_QUEUED, SPAN_SCHEDULED), "int", "streaming input: the input segment"
     ),
     AttributeSpec(NUM_SEGMENTS, (SPAN_REQUEST,), "int", "streaming input: input segments"),
+    AttributeSpec(
+        API_TTFT_MS,
+        _API,
+        "double",
+        "receipt to the first response bytes after the hand-off to the engine "
+        "(a stream's first chunk; a whole response's body)",
+    ),
+    AttributeSpec(API_E2E_MS, _API, "double", "receipt to the last response byte"),
+    AttributeSpec(API_STREAM, _API, "boolean", "the response was a stream (text/event-stream)"),
+    AttributeSpec(
+        API_DISCONNECTED, _API, "boolean", "the client went away before the last response byte"
+    ),
+    AttributeSpec(API_REQUEST_IDS, _API, "string[]", "the engine requests it made (n>1: each)"),
+    AttributeSpec(HTTP_METHOD, _API, "string", "HTTP method"),
+    AttributeSpec(URL_PATH, _API, "string", "request path"),
+    AttributeSpec(HTTP_STATUS, _API, "int", "response status; absent if none was sent"),
+    AttributeSpec(
+        ERROR_TYPE, _API, "string", "failed: the status code, or the exception's class name"
+    ),
+    AttributeSpec(
+        API_READ_MS,
+        (SPAN_API_INPUT,),
+        "double",
+        "receipt to vLLM's arrival stamp (request read, parsed, validated)",
+    ),
+    AttributeSpec(
+        API_RENDER_MS,
+        (SPAN_API_INPUT,),
+        "double",
+        "vLLM's arrival stamp to the hand-off (chat template, tokenization, input processing)",
+    ),
+    AttributeSpec(API_CHUNKS, (SPAN_API_OUTPUT,), "int", "response body chunks sent in all"),
     AttributeSpec(STEP_BATCH_SIZE, (SPAN_STEP,), "int", "requests scheduled in the step"),
     AttributeSpec(STEP_PREFILL_TOKENS, (SPAN_STEP,), "int", "scheduled prompt/recompute tokens"),
     AttributeSpec(STEP_DECODE_TOKENS, (SPAN_STEP,), "int", "scheduled decode tokens"),

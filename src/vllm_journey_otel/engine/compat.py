@@ -33,12 +33,16 @@ ASYNC_LLM: Final = "AsyncLLM"
 OUTPUT_PROCESSOR: Final = "OutputProcessor"
 PROC_MANAGER: Final = "CoreEngineProcManager"
 REQUEST_STATUS: Final = "RequestStatus"
+# FastAPI's application class (vLLM's HTTP server): where the API-server spans'
+# middleware goes in (FastAPI 0.100 and later define build_middleware_stack).
+FASTAPI: Final = "FastAPI"
 MODULES: Final[dict[str, str]] = {
     SCHEDULER: "vllm.v1.core.sched.scheduler",
     REQUEST_STATUS: "vllm.v1.request",
     ASYNC_LLM: "vllm.v1.engine.async_llm",
     OUTPUT_PROCESSOR: "vllm.v1.engine.output_processor",
     PROC_MANAGER: "vllm.v1.engine.utils",
+    FASTAPI: "fastapi.applications",
 }
 
 
@@ -96,6 +100,19 @@ TARGETS: Final[tuple[Target, ...]] = (
     ),
     Target(OUTPUT_PROCESSOR, "add_request", ("request",), group="trace context"),
     Target(OUTPUT_PROCESSOR, "__init__", group="trace context"),
+    # The API-server spans (api_server.py).
+    Target(
+        FASTAPI,
+        "build_middleware_stack",
+        without="no API-server spans: the engine's vllm.request is the request's root",
+    ),
+    # Private: read in 0.30, 0.31, 0.32 and 0.33 (called once per finished request).
+    Target(
+        OUTPUT_PROCESSOR,
+        "_finish_request",
+        ("req_state",),
+        without="API-server spans have no vllm.api.output (the engine's last output is not seen)",
+    ),
     Target(
         PROC_MANAGER,
         "shutdown",

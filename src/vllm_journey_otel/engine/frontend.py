@@ -1,7 +1,8 @@
-"""API-server side: the client's trace context, and the engine cores' shutdown grace.
+"""API-server side: the client's trace context, the API-server spans' hooks, and
+the engine cores' shutdown grace.
 
 API-server process, its asyncio event loop thread (``AsyncLLM.add_request``,
-``OutputProcessor``) and the thread that shuts vLLM down
+``OutputProcessor``, ``FastAPI.build_middleware_stack``) and the thread that shuts vLLM down
 (``CoreEngineProcManager.shutdown``). Times: ``time.monotonic()`` for the grace's
 deadline.
 """
@@ -17,6 +18,8 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
 
+from vllm_journey_otel.engine.api_server import JourneyMiddleware, current, on_last_output
+from vllm_journey_otel.engine.handoff import _pipeline_for, pipeline
 from vllm_journey_otel.engine.state import _STATE, _fail
 from vllm_journey_otel.log import logger
 
@@ -24,12 +27,30 @@ from vllm_journey_otel.log import logger
 _TRACE_HEADERS: ContextVar[dict[str, str] | None] = ContextVar("vjo_trace_headers", default=None)
 
 
+def _take_headers(self: Any, args: tuple[Any, ...], kwargs: dict[str, Any], pos: int) -> Any:
+    """The call's arguments without ``trace_headers`` where vLLM would drop
+    them (no --otlp-traces-endpoint), and those headers (None: left as they are)."""
+    in_kwargs = "trace_headers" in kwargs
+    headers: Any = kwargs["trace_headers"] if in_kwargs else None
+    if not in_kwargs and len(args) > pos:
+        headers = args[pos]
+    if not headers or self.observability_config.otlp_traces_endpoint is not None:
+        return args, None
+    if in_kwargs:
+        kwargs["trace_headers"] = None
+    else:
+        args = (*args[:pos], None, *args[pos + 1 :])
+    return args, dict(headers)
+
+
 def _wrap_async_add_request(orig: Callable[..., Any]) -> Callable[..., Any]:
     """AsyncLLM.add_request drops ``trace_headers`` unless --otlp-traces-endpoint is set.
 
     We take them out of the call (so vLLM neither drops nor warns), keep them in a
     context variable for the duration of the call, and OutputProcessor.add_request
-    puts them back on the EngineCoreRequest that goes to the engine core.
+    puts them back on the EngineCoreRequest that goes to the engine core. Under
+    an API-server span (api_server.py) that span's ids go instead, and the
+    call's return is the hand-off to the engine core.
     """
     pos = list(inspect.signature(orig).parameters).index("trace_headers") - 1  # minus self
 
@@ -38,26 +59,22 @@ def _wrap_async_add_request(orig: Callable[..., Any]) -> Callable[..., Any]:
         if not _STATE.enabled:
             return await orig(self, *args, **kwargs)
         try:
-            in_kwargs = "trace_headers" in kwargs
-            headers: Any = kwargs["trace_headers"] if in_kwargs else None
-            if not in_kwargs and len(args) > pos:
-                headers = args[pos]
-            keep = bool(headers) and self.observability_config.otlp_traces_endpoint is None
-            if keep:
-                if in_kwargs:
-                    kwargs["trace_headers"] = None
-                else:
-                    args = (*args[:pos], None, *args[pos + 1 :])
-                token = _TRACE_HEADERS.set(dict(headers))
+            api = current()
+            args, headers = _take_headers(self, args, kwargs, pos)
+            token = _TRACE_HEADERS.set(headers) if headers is not None else None
         except Exception:
             _fail("AsyncLLM.add_request")
             return await orig(self, *args, **kwargs)
-        if not keep:
-            return await orig(self, *args, **kwargs)
         try:
-            return await orig(self, *args, **kwargs)
+            out = await orig(self, *args, **kwargs)
         finally:
-            _TRACE_HEADERS.reset(token)
+            if token is not None:
+                _TRACE_HEADERS.reset(token)
+        if api is not None:
+            api.on_handoff()
+            if pipeline() is None:  # the app's start-up found no vLLM config
+                _pipeline_for(self)
+        return out
 
     return add_request
 
@@ -83,15 +100,59 @@ def _wrap_output_add_request(orig: Callable[..., Any]) -> Callable[..., Any]:
         if self not in _OUTPUT_PROCESSORS:  # built before the plugin loaded
             with contextlib.suppress(TypeError):
                 _OUTPUT_PROCESSORS.add(self)
+        api = current()
         headers = _TRACE_HEADERS.get()
-        if headers is not None and getattr(request, "trace_headers", None) is None:
-            try:
+        try:
+            if api is not None and _STATE.enabled:
+                api.on_engine_request(request)
+            elif headers is not None and getattr(request, "trace_headers", None) is None:
                 request.trace_headers = headers
-            except Exception:
-                _fail("OutputProcessor.add_request")
+        except Exception:
+            _fail("OutputProcessor.add_request")
         return orig(self, request, *args, **kwargs)
 
     return add_request
+
+
+def _wrap_finish_request(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """OutputProcessor._finish_request: the engine's last output for a request
+    reached this process (output-handler task, once per finished request)."""
+
+    @functools.wraps(orig)
+    def _finish_request(self: Any, req_state: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            on_last_output(req_state.request_id)
+        except Exception:
+            _fail("OutputProcessor._finish_request")
+        return orig(self, req_state, *args, **kwargs)
+
+    return _finish_request
+
+
+def _wrap_build_middleware_stack(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """FastAPI.build_middleware_stack: our middleware outermost of the app's own
+    (inside the server-error handler, and inside an HTTP instrumentation that
+    wraps the built stack), and this process's pipeline started with the app."""
+
+    @functools.wraps(orig)
+    def build_middleware_stack(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _STATE.enabled and _STATE.config.api_spans:
+            try:
+                install_middleware(self)
+            except Exception:
+                _fail("FastAPI.build_middleware_stack")
+        return orig(self, *args, **kwargs)
+
+    return build_middleware_stack
+
+
+def install_middleware(app: Any) -> None:
+    """Insert :class:`JourneyMiddleware` into ``app`` once (it starts this
+    process's pipeline when the app starts)."""
+    from starlette.middleware import Middleware
+
+    if not any(getattr(m, "cls", None) is JourneyMiddleware for m in app.user_middleware):
+        app.user_middleware.insert(0, Middleware(JourneyMiddleware))
 
 
 # vllm.v1.utils.shutdown waits this long when given no timeout (0.32, 0.33).

@@ -1,7 +1,10 @@
-"""This process's export pipeline: created where the first Scheduler is built.
+"""This process's export pipeline: created where the first Scheduler is built,
+or, in an API-server process, when its HTTP app starts.
 
 Engine-core process, the thread that constructs the Scheduler (vLLM's engine
-core start-up); :func:`flush` from any thread (the Scheduler's shutdown, atexit).
+core start-up); API-server process, its event loop at the app's start-up;
+:func:`flush` from any thread (the Scheduler's shutdown, atexit, the app's
+shutdown).
 The sink is the exporter process (``process`` mode) or span building here
 (``thread`` mode, and the fallback when the exporter cannot start).
 """
@@ -23,8 +26,9 @@ from vllm_journey_otel.export.span_sink import SpanSink
 from vllm_journey_otel.log import logger
 
 
-def _resource_attributes(scheduler: Any) -> dict[str, Any]:
-    vc = scheduler.vllm_config
+def _resource_attributes(owner: Any) -> dict[str, Any]:
+    """The resource of ``owner.vllm_config`` (a Scheduler, an AsyncLLM, an app's state)."""
+    vc = owner.vllm_config
     model = getattr(vc.model_config, "served_model_name", None) or getattr(
         vc.model_config, "model", ""
     )
@@ -63,13 +67,15 @@ def _make_sink(attributes: dict[str, Any]) -> Sink:
     )
 
 
-def _pipeline_for(scheduler: Any) -> JourneyPipeline:
+def _pipeline_for(owner: Any) -> JourneyPipeline:
+    """This process's pipeline, created on the first call with the resource of
+    ``owner.vllm_config``."""
     with _STATE.lock:
         pid = os.getpid()
         if _STATE.pipeline is None or _STATE.pipeline_pid != pid:
             cfg = _STATE.config
             _STATE.pipeline = JourneyPipeline(
-                _make_sink(_resource_attributes(scheduler)),
+                _make_sink(_resource_attributes(owner)),
                 max_queue=cfg.queue_size,
                 interval_s=cfg.export_interval_ms / 1000.0,
                 cpu_priority=cfg.cpu_priority,
@@ -91,5 +97,5 @@ def flush(timeout_s: float | None = None) -> bool:
 
 
 def pipeline() -> JourneyPipeline | None:
-    """This process's export pipeline, if a Scheduler created one."""
+    """This process's export pipeline, if a Scheduler or the API server created one."""
     return _STATE.pipeline if _STATE.pipeline_pid == os.getpid() else None

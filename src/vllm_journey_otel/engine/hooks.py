@@ -21,6 +21,7 @@ from vllm_journey_otel import schema as S
 from vllm_journey_otel.config import ALL_VARIABLES, Config, sdk_disabled
 from vllm_journey_otel.engine.compat import (
     ASYNC_LLM,
+    FASTAPI,
     FINISHED_STATUSES,
     OUTPUT_PROCESSOR,
     PROC_MANAGER,
@@ -32,6 +33,8 @@ from vllm_journey_otel.engine.compat import (
 )
 from vllm_journey_otel.engine.frontend import (
     _wrap_async_add_request,
+    _wrap_build_middleware_stack,
+    _wrap_finish_request,
     _wrap_output_add_request,
     _wrap_output_init,
     _wrap_proc_shutdown,
@@ -95,6 +98,8 @@ WRAPPERS: dict[tuple[str, str], Callable[[Callable[..., Any]], Callable[..., Any
     (OUTPUT_PROCESSOR, "add_request"): _wrap_output_add_request,
     (OUTPUT_PROCESSOR, "__init__"): _wrap_output_init,
     (PROC_MANAGER, "shutdown"): _wrap_proc_shutdown,
+    (OUTPUT_PROCESSOR, "_finish_request"): _wrap_finish_request,
+    (FASTAPI, "build_middleware_stack"): _wrap_build_middleware_stack,
 }
 
 

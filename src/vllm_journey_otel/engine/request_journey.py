@@ -37,6 +37,7 @@ from collections.abc import Mapping
 from typing import Final
 
 from vllm_journey_otel.journey import (
+    API_PARENT_KEY,
     Event,
     FinishedJourney,
     FirstToken,
@@ -68,7 +69,8 @@ TRACESTATE_MAX = 512
 
 
 def bounded_trace_headers(headers: Mapping[str, str]) -> dict[str, str] | None:
-    """The client's ``traceparent``/``tracestate`` with bounded sizes, nothing else.
+    """The client's ``traceparent``/``tracestate`` with bounded sizes, and the
+    API server's mark (journey.API_PARENT_KEY: the parent is its span), nothing else.
 
     A journey holds these until it ends and sends them through the exporter pipe,
     so a client cannot make either grow: an oversized traceparent is dropped (the
@@ -90,6 +92,8 @@ def bounded_trace_headers(headers: Mapping[str, str]) -> dict[str, str] | None:
             ts = kept
         if ts:
             out["tracestate"] = ts
+    if out and headers.get(API_PARENT_KEY) == "1":
+        out[API_PARENT_KEY] = "1"
     return out or None
 
 

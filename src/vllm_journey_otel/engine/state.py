@@ -20,6 +20,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from vllm_journey_otel.config import Config
 from vllm_journey_otel.engine.compat import (
     ASYNC_LLM,
+    FASTAPI,
     MODULES,
     OUTPUT_PROCESSOR,
     PROC_MANAGER,
@@ -89,6 +90,7 @@ def target_classes(scheduler_cls: type) -> dict[str, type | None]:
         ASYNC_LLM: async_llm,
         OUTPUT_PROCESSOR: output_processor,
         PROC_MANAGER: _engine_proc_manager(),
+        FASTAPI: _optional_class(FASTAPI),
     }
 
 

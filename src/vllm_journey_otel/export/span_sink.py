@@ -14,6 +14,7 @@ from typing import Any
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter
+from opentelemetry.util.types import AttributeValue
 
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.clock import ClockAnchor
@@ -26,6 +27,7 @@ from vllm_journey_otel.config import (
     endpoint_name,
     exporter_names,
 )
+from vllm_journey_otel.export.api_spans import plan_api
 from vllm_journey_otel.export.export_stage import ExportStage
 from vllm_journey_otel.export.exporters import (
     build_exporters,
@@ -36,7 +38,7 @@ from vllm_journey_otel.export.health import ExportHealth
 from vllm_journey_otel.export.in_flight_spans import plan_in_flight
 from vllm_journey_otel.export.span_builder import SpanBuilder
 from vllm_journey_otel.export.spans import ROOT, plan_spans, plan_step, root_context
-from vllm_journey_otel.journey import InFlight, Record, StepRecord
+from vllm_journey_otel.journey import ApiJourney, InFlight, Record, StepRecord
 from vllm_journey_otel.log import logger
 
 
@@ -132,13 +134,15 @@ class SpanSink:
                 elif isinstance(journey, InFlight):
                     span, parent = plan_in_flight(journey, offset_ns)
                     built.extend(self.builder.build([span], parent))
+                elif isinstance(journey, ApiJourney):
+                    plan, parent, links = plan_api(journey, offset_ns)
+                    self._health_attributes(plan[ROOT].attributes)
+                    built.extend(self.builder.build(plan, parent, links))
                 else:
                     health.journeys += 1
                     anchor = self._clock.anchor
                     plan = plan_spans(journey, anchor.offset_ns, anchor.uncertainty_ns)
-                    root = plan[ROOT].attributes
-                    root[S.TRACER_DROPPED_JOURNEYS] = health.engine_dropped
-                    root[S.TRACER_LOST_SPANS] = health.lost_spans
+                    self._health_attributes(plan[ROOT].attributes)
                     built.extend(self.builder.build(plan, *root_context(journey)))
             except Exception:
                 failed += 1
@@ -156,6 +160,10 @@ class SpanSink:
         self.stage.add(built, self._stop, deadline)
         self.failed += failed
         return failed
+
+    def _health_attributes(self, root: dict[str, AttributeValue]) -> None:
+        root[S.TRACER_DROPPED_JOURNEYS] = self.health.engine_dropped
+        root[S.TRACER_LOST_SPANS] = self.health.lost_spans
 
     def flush(self, timeout_s: float) -> bool:
         """Export what was built within ``timeout_s``."""

@@ -29,6 +29,7 @@ from opentelemetry.util.types import AttributeValue
 
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.journey import (
+    API_PARENT_KEY,
     FinishedJourney,
     FirstToken,
     KvLoaded,
@@ -142,7 +143,11 @@ class _Planner:
         self.root_end = max(j.end.t_mono_ns + offset_ns, start)
         self.first_sched = next((e for e in j.events if isinstance(e, Scheduled)), None)
         queued_end = self.first_sched.at if self.first_sched is not None else j.end
-        root = PlannedSpan(S.SPAN_REQUEST, start, self.root_end, None, kind=SpanKind.SERVER)
+        # Under the API server's vllm.api.request the engine's root is INTERNAL:
+        # one SERVER span per request.
+        nested = j.trace_headers is not None and API_PARENT_KEY in j.trace_headers
+        kind = SpanKind.INTERNAL if nested else SpanKind.SERVER
+        root = PlannedSpan(S.SPAN_REQUEST, start, self.root_end, None, kind=kind)
         queued = PlannedSpan(
             S.SPAN_QUEUED, self.at(j.admitted), self.at(queued_end), ROOT, progress(queued_end, j)
         )

@@ -1,0 +1,303 @@
+"""The API server's part of each request: an ASGI middleware and its per-request record.
+
+API-server process (each one of ``--api-server-count``), its asyncio event
+loop thread: the middleware runs in the request's task, the hooks of
+``frontend.py`` in the request's task (``AsyncLLM.add_request``,
+``OutputProcessor.add_request``) and in vLLM's output-handler task
+(``OutputProcessor._finish_request``). Times: ``time.monotonic_ns()`` of this
+process (CLOCK_MONOTONIC, the engine core's clock too); vLLM's arrival stamp
+is its wall clock (``time.time()``).
+
+Per request, on the event loop: a few clock reads and a small record, no span:
+the finished :class:`~vllm_journey_otel.journey.ApiJourney` goes to this
+process's pipeline, whose drain thread hands it to the exporter process
+(``export/api_spans.py`` builds the spans there). The span's ids are chosen at
+receipt and handed to the engine core in the trace headers, so the engine's
+journeys nest under it without a round trip.
+
+Which requests get a span: every one that reached the engine (an
+``AsyncLLM.add_request`` ran in its task), and every POST turned away with an
+error before it did (a prompt too long: an error span with no engine child).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from contextvars import ContextVar
+from typing import Any
+
+from opentelemetry import trace as otel_trace
+
+from vllm_journey_otel.engine.handoff import _pipeline_for, pipeline
+from vllm_journey_otel.engine.sampling import client_trace
+from vllm_journey_otel.engine.state import _STATE, _fail
+from vllm_journey_otel.journey import API_PARENT_KEY, ApiJourney, RootIds
+from vllm_journey_otel.log import logger
+from vllm_journey_otel.rng import RNG
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+_LOW64 = (1 << 64) - 1
+_EVENT_STREAM = b"text/event-stream"
+
+# The request in progress, per asyncio task (tasks copy it: a stream's body
+# task sees the request that started it).
+_CURRENT: ContextVar[ApiRequest | None] = ContextVar("vjo_api_request", default=None)
+# Engine request id -> its API request, until the engine's last output for it
+# reaches this process (OutputProcessor._finish_request, in another task).
+_BY_ENGINE_ID: dict[str, ApiRequest] = {}
+
+
+def current() -> ApiRequest | None:
+    """The API request of the running task, if it is traced."""
+    return _CURRENT.get()
+
+
+def _parent(scope: Scope) -> tuple[dict[str, str] | None, bool]:
+    """The parent's W3C headers and whether our span is the SERVER span.
+
+    A recording span current here is another instrumentation's HTTP server span
+    (FastAPI's, through ``opentelemetry-instrument``): ours is its INTERNAL child.
+    Otherwise the client's own ``traceparent``, if it sent one.
+    """
+    span = otel_trace.get_current_span()
+    if span.is_recording():
+        ctx = span.get_span_context()
+        parent = f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{ctx.trace_flags:02x}"
+        headers = {"traceparent": parent}
+        if ctx.trace_state:
+            headers["tracestate"] = ctx.trace_state.to_header()
+        return headers, False
+    found: dict[str, str] | None = None
+    for name, value in scope.get("headers", ()):
+        if name == b"traceparent" or name == b"tracestate":
+            found = found or {}
+            found[name.decode("latin-1")] = value.decode("latin-1")
+    return found, True
+
+
+class ApiRequest:
+    """One traced HTTP request, filled in as it goes (event-loop thread only)."""
+
+    __slots__ = (
+        "arrival_time_s",
+        "chunks",
+        "disconnected",
+        "end_ns",
+        "engine_headers",
+        "exception",
+        "first_body_ns",
+        "handoff_ns",
+        "ids",
+        "last_output_ns",
+        "method",
+        "parent_headers",
+        "path",
+        "receipt_ns",
+        "request_ids",
+        "sampled",
+        "server_kind",
+        "status_code",
+        "stream",
+    )
+
+    def __init__(self, scope: Scope, receipt_ns: int) -> None:
+        self.receipt_ns = receipt_ns
+        self.method = str(scope.get("method", ""))
+        self.path = str(scope.get("path", ""))
+        self.parent_headers, self.server_kind = _parent(scope)
+        parent = self.parent_headers
+        sampled, drawn = _STATE.head.decide(parent)
+        client = client_trace(parent.get("traceparent")) if parent else None
+        if client is not None:
+            trace_id = client[0]
+        elif drawn is not None:  # the ratio decided on this trace id: keep it
+            trace_id = (drawn.trace_hi << 64) | drawn.trace_lo
+        else:
+            trace_id = RNG.getrandbits(128) or 1
+        self.ids = RootIds(trace_id >> 64, trace_id & _LOW64, RNG.getrandbits(64) or 1)
+        self.sampled = sampled
+        flags = "01" if sampled else "00"
+        self.engine_headers = {
+            "traceparent": f"00-{trace_id:032x}-{self.ids.span_id:016x}-{flags}",
+            API_PARENT_KEY: "1",
+        }
+        if self.parent_headers and "tracestate" in self.parent_headers:
+            self.engine_headers["tracestate"] = self.parent_headers["tracestate"]
+        self.request_ids: list[str] = []
+        self.arrival_time_s = 0.0
+        self.handoff_ns: int | None = None
+        self.first_body_ns: int | None = None
+        self.last_output_ns: int | None = None
+        self.end_ns: int | None = None
+        self.status_code = 0
+        self.stream = False
+        self.disconnected = False
+        self.exception: str | None = None
+        self.chunks = 0
+
+    # -- hooks of frontend.py ---------------------------------------------------
+    def on_engine_request(self, request: Any) -> None:
+        """OutputProcessor.add_request: an engine request of ours (n>1: each child)."""
+        request.trace_headers = self.engine_headers
+        request_id = str(request.request_id)
+        self.request_ids.append(request_id)
+        _BY_ENGINE_ID[request_id] = self
+        if not self.arrival_time_s:
+            self.arrival_time_s = float(getattr(request, "arrival_time", 0.0) or 0.0)
+
+    def on_handoff(self) -> None:
+        """AsyncLLM.add_request returned: the request went to the engine core."""
+        self.handoff_ns = time.monotonic_ns()
+
+    # -- ASGI messages ------------------------------------------------------------
+    def on_start(self, message: Message) -> None:
+        self.status_code = int(message.get("status", 0))
+        for name, value in message.get("headers", ()):
+            if name.lower() == b"content-type":
+                self.stream = value.startswith(_EVENT_STREAM)
+
+    def on_body(self, message: Message, now_ns: int) -> None:
+        if message.get("body"):
+            self.chunks += 1
+            if self.first_body_ns is None and self.handoff_ns is not None:
+                self.first_body_ns = now_ns
+        if not message.get("more_body", False):
+            self.end_ns = now_ns
+
+    def record(self, now_ns: int) -> ApiJourney:
+        return ApiJourney(
+            ids=self.ids,
+            parent_headers=self.parent_headers,
+            server_kind=self.server_kind,
+            head_sampled=self.sampled,
+            method=self.method,
+            path=self.path,
+            stream=self.stream,
+            disconnected=self.disconnected,
+            status_code=self.status_code,
+            exception=self.exception,
+            request_ids=self.request_ids,
+            receipt_mono_ns=self.receipt_ns,
+            end_mono_ns=self.end_ns if self.end_ns is not None else now_ns,
+            arrival_time_s=self.arrival_time_s,
+            handoff_mono_ns=self.handoff_ns,
+            first_body_mono_ns=self.first_body_ns,
+            last_output_mono_ns=self.last_output_ns,
+            chunks=self.chunks,
+        )
+
+
+def on_last_output(request_id: str) -> None:
+    """OutputProcessor._finish_request: the engine's last output for a request."""
+    req = _BY_ENGINE_ID.pop(request_id, None)
+    if req is not None:
+        req.last_output_ns = time.monotonic_ns()
+
+
+def _traced(req: ApiRequest) -> bool:
+    """Reached the engine, or a POST turned away with an error before it did."""
+    if req.request_ids:
+        return True
+    return req.method == "POST" and (req.status_code >= 400 or req.exception is not None)
+
+
+def _finish(req: ApiRequest) -> None:
+    now_ns = time.monotonic_ns()
+    for request_id in req.request_ids:  # aborted: their last output never came
+        if _BY_ENGINE_ID.get(request_id) is req:
+            del _BY_ENGINE_ID[request_id]
+    if not _traced(req):
+        return
+    if not req.sampled:
+        end = req.end_ns if req.end_ns is not None else now_ns
+        error = req.exception is not None or req.status_code >= 500
+        if not _STATE.tail.keeps(error, req.disconnected, 0, end - req.receipt_ns):
+            return
+    target = pipeline()
+    if target is not None:
+        target.submit(req.record(now_ns))
+
+
+class JourneyMiddleware:
+    """Pure ASGI middleware, outermost of vLLM's (``frontend.py`` inserts it).
+
+    Its own cost per request: two clock reads, the record, a wrapper around
+    ``send`` (one clock read per message) and ``receive``. On ``lifespan.shutdown``
+    it flushes this process's pipeline (the API server's exit does not run
+    atexit where it is a multiprocessing child); ``lifespan.startup`` starts it.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope.get("type")
+        if kind == "lifespan":
+            return await self.app(scope, _lifespan(scope, receive), send)
+        if kind != "http" or not (_STATE.enabled and _STATE.config.api_spans):
+            return await self.app(scope, receive, send)
+        try:
+            req = ApiRequest(scope, time.monotonic_ns())
+        except Exception:
+            _fail("API-server middleware")
+            return await self.app(scope, receive, send)
+
+        async def send_(message: Message) -> None:
+            now_ns = time.monotonic_ns()
+            kind = message.get("type")
+            if kind == "http.response.body":
+                req.on_body(message, now_ns)
+            elif kind == "http.response.start":
+                req.on_start(message)
+            await send(message)
+
+        async def receive_() -> Message:
+            message = await receive()
+            if message.get("type") == "http.disconnect" and req.end_ns is None:
+                req.disconnected = True
+            return message
+
+        token = _CURRENT.set(req)
+        try:
+            await self.app(scope, receive_, send_)
+        except BaseException as exc:
+            req.exception = type(exc).__name__
+            raise
+        finally:
+            _CURRENT.reset(token)
+            try:
+                _finish(req)
+            except Exception:
+                _fail("API-server middleware")
+
+
+def _lifespan(scope: Scope, receive: Receive) -> Receive:
+    """The app's start-up starts this process's pipeline (the exporter process:
+    before the first request, not on it); its shutdown flushes it."""
+
+    async def receive_() -> Message:
+        message = await receive()
+        kind = message.get("type")
+        state = getattr(scope.get("app"), "state", None)
+        if kind == "lifespan.startup" and _STATE.enabled and _STATE.config.api_spans:
+            if getattr(state, "vllm_config", None) is not None:
+                try:
+                    _pipeline_for(state)
+                except Exception:
+                    _fail("API-server start-up")
+        elif kind == "lifespan.shutdown":
+            target = pipeline()
+            if target is not None:
+                try:
+                    target.flush(_STATE.config.shutdown_timeout_s)
+                except Exception:  # never in the way of vLLM's shutdown
+                    logger.debug("journey-otel: API-server flush failed", exc_info=True)
+        return message
+
+    return receive_
