@@ -64,6 +64,12 @@ def journeys_in_trace(
 
 
 def assert_parented(root: Node, trace_id: int, span_id: int) -> None:
+    """The journey is in the client's trace, under the client's span: through
+    the API server's vllm.api.request (API-server spans on, the default)."""
     parent = root.span.parent
     assert root.span.context.trace_id == trace_id
-    assert parent is not None and parent.span_id == span_id
+    assert root.api is not None, "no vllm.api.request above the journey"
+    assert parent is not None and parent.span_id == root.api.span.context.span_id
+    api_parent = root.api.span.parent
+    assert root.api.span.context.trace_id == trace_id
+    assert api_parent is not None and api_parent.span_id == span_id

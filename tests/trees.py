@@ -13,10 +13,15 @@ from vllm_journey_otel import schema as S
 PHASES_OF = {S.SPAN_SCHEDULED: (S.SPAN_PREFILL, S.SPAN_DECODE)}
 
 
+API_SPANS = (S.SPAN_API, S.SPAN_API_INPUT, S.SPAN_API_OUTPUT)
+
+
 @dataclass
 class Node:
     span: ReadableSpan
     children: list[Node] = field(default_factory=list)
+    # An engine root's vllm.api.request, when it hangs under one.
+    api: Node | None = None
 
     @property
     def name(self) -> str:
@@ -46,17 +51,40 @@ class Node:
         return [c for c in self.children if c.name == name]
 
 
+def api_requests(spans: Iterable[ReadableSpan]) -> list[Node]:
+    """The API-server trees: each vllm.api.request with its input and output
+    sides and the engine roots under it, children sorted by start time."""
+    spans = list(spans)
+    by_id = {s.context.span_id: Node(s) for s in spans if s.name in API_SPANS}
+    roots = [n for n in by_id.values() if n.name == S.SPAN_API]
+    for node in list(by_id.values()):
+        if node.name != S.SPAN_API:
+            parent = node.span.parent
+            assert parent is not None and parent.span_id in by_id, node.name
+            by_id[parent.span_id].children.append(node)
+    for root in journeys(spans).values():
+        if root.api is not None and root.api.span.context.span_id in by_id:
+            by_id[root.api.span.context.span_id].children.append(root)
+    for node in by_id.values():
+        node.children.sort(key=lambda n: (n.start, n.end))
+    return roots
+
+
 def journeys(spans: Iterable[ReadableSpan]) -> dict[str, Node]:
     """request id -> root node, children sorted by start time."""
     # The step view's spans are traces of their own; an in-flight snapshot is no
-    # part of the journey's tree (and may arrive before its root).
-    spans = [s for s in spans if s.name not in (S.SPAN_STEP, S.SPAN_IN_FLIGHT)]
+    # part of the journey's tree (and may arrive before its root); the API
+    # server's spans are above it (``Node.api``).
+    spans = list(spans)
+    api = {s.context.span_id: Node(s) for s in spans if s.name == S.SPAN_API}
+    spans = [s for s in spans if s.name not in (S.SPAN_STEP, S.SPAN_IN_FLIGHT, *API_SPANS)]
     by_id = {s.context.span_id: Node(s) for s in spans}
     roots: dict[str, Node] = {}
     for node in by_id.values():
         parent = node.span.parent
         if node.name == S.SPAN_REQUEST:
             roots[str(node.attrs[S.REQUEST_ID])] = node
+            node.api = api.get(parent.span_id) if parent is not None else None
         else:
             assert parent is not None, f"{node.name} has no parent"
             by_id[parent.span_id].children.append(node)
@@ -83,8 +111,8 @@ def expected_shape(*cycles: str, preempted_at_end: bool = False) -> tuple[object
 
 def check_invariants(root: Node, check_kind: bool = True) -> None:
     """The rules of docs/spans.md: tiling, nesting, attribute keys, root kind."""
-    if check_kind:
-        assert root.span.kind.name == "SERVER"
+    if check_kind:  # one SERVER span per request: the API server's, if it is there
+        assert root.span.kind.name == ("INTERNAL" if root.api is not None else "SERVER")
     assert root.start <= root.end
     kids = root.children
     assert kids and kids[0].name == S.SPAN_QUEUED, root.shape()

@@ -182,8 +182,10 @@ def test_every_promised_attribute_is_emitted_by_real_journeys(tracing) -> None: 
         resource.update(span.resource.attributes)
     # Every span of the plain path; vllm.wait (a wait happened) and vllm.step (the
     # opt-in step view) are covered in tests/engine/test_beyond_plain.py, vllm.in_flight
-    # (a request in flight past the threshold) in tests/engine/test_in_flight.py.
-    plain = set(S.SPAN_NAMES) - {S.SPAN_WAIT, S.SPAN_STEP, S.SPAN_IN_FLIGHT}
+    # (a request in flight past the threshold) in tests/engine/test_in_flight.py, the
+    # API server's (no HTTP server here) in tests/e2e/test_e2e_api_server.py.
+    api = {S.SPAN_API, S.SPAN_API_INPUT, S.SPAN_API_OUTPUT}
+    plain = set(S.SPAN_NAMES) - {S.SPAN_WAIT, S.SPAN_STEP, S.SPAN_IN_FLIGHT, *api}
     assert plain <= set(emitted), plain - set(emitted)
 
     promises = list(collector_refs()[1])
@@ -199,8 +201,9 @@ def test_every_promised_attribute_is_emitted_by_real_journeys(tracing) -> None: 
     }  # fmt: skip
     missing = []
     for names, key in promises:
-        # vllm.in_flight's attributes: tests/engine/test_in_flight.py asserts them.
-        if key in feature_only or (names and names <= {S.SPAN_IN_FLIGHT}):
+        # vllm.in_flight's attributes: tests/engine/test_in_flight.py asserts them;
+        # the API server's: tests/e2e/test_e2e_api_server.py.
+        if key in feature_only or (names and names <= {S.SPAN_IN_FLIGHT, *api}):
             continue
         if key in RESOURCE_KEYS:
             ok = key in resource

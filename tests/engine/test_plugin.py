@@ -176,13 +176,7 @@ def _target_classes() -> dict[str, type | None]:
     from vllm_journey_otel.engine import state
 
     _, scheduler, _, _ = state._vllm()
-    async_llm, output_processor = state._frontend_classes()
-    return {
-        "Scheduler": scheduler,
-        "AsyncLLM": async_llm,
-        "OutputProcessor": output_processor,
-        "CoreEngineProcManager": state._engine_proc_manager(),
-    }
+    return state.target_classes(scheduler)
 
 
 def test_every_target_of_the_table_is_wrapped_and_restored() -> None:
