@@ -112,6 +112,7 @@ class VllmServer(Process):
         multiprocessing: bool = True,
         max_model_len: int = 2048,
         kv_cache_bytes: str = "256M",
+        command: Sequence[str] = (),
     ) -> None:
         self.port = free_port()
         self.model = str(model)
@@ -128,7 +129,7 @@ class VllmServer(Process):
         )
         full_env.update(env)
         argv = [
-            str(VENV / "bin" / "vllm"), "serve", self.model,
+            *(command or [str(VENV / "bin" / "vllm")]), "serve", self.model,
             "--host", "127.0.0.1", "--port", str(self.port),
             "--enforce-eager", "--max-model-len", str(max_model_len),
             "--kv-cache-memory-bytes", kv_cache_bytes, "--seed", "0",

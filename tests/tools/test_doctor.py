@@ -98,9 +98,8 @@ def test_everything_ok_through_the_self_check_and_a_real_receiver(
     from vllm_journey_otel.engine.compat import TARGETS
 
     optional = sum(not t.required for t in TARGETS)
-    assert f"is supported; the 6 required Scheduler methods and all {optional} optional hooks" in str(
-        checks["vllm"]["summary"]
-    )
+    said = f"is supported; the 6 required Scheduler methods and all {optional} optional hooks"
+    assert said in str(checks["vllm"]["summary"])
     assert "the test span reached" in str(checks["endpoint"]["summary"])
     assert _test_spans(receiver) == [doctor.TEST_SPAN]
     assert {s.resource.get("service.name") for s in receiver.spans()} == {"vllm"}

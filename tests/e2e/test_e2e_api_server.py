@@ -1,0 +1,240 @@
+"""End to end: the API server's part of each request (vllm.api.*) on a real
+`vllm serve` with a real OpenAI client, in both process layouts, with vLLM's own
+tracing on too (its llm_request spans to the same receiver); a server under
+OpenTelemetry's FastAPI instrumentation; two API servers (--api-server-count 2).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import requires_vllm
+from otlp_receiver import Receiver, WireSpan, wire_spans
+from services import VENV, VllmServer, wait_until
+from serving import LAYOUTS, client, new_traceparent, start_server
+from trees import Node, api_requests, check_invariants
+from vllm_journey_otel import schema as S
+
+pytestmark = [requires_vllm, pytest.mark.e2e]
+
+# Two clocks meet here: the API server's monotonic stamps (converted by the
+# exporter's anchor) and vLLM's wall-clock ones; their readings agree to a few
+# microseconds on one host.
+CLOCKS_NS = 200_000
+ERROR = 2  # OTLP status code
+
+
+@pytest.fixture(scope="module", params=LAYOUTS)
+def server(request, model_dir, module_receiver, tmp_path_factory) -> Iterator[VllmServer]:  # type: ignore[no-untyped-def]
+    endpoint = f"http://127.0.0.1:{module_receiver.grpc_port}"
+    s = start_server(
+        model_dir, tmp_path_factory.mktemp("api"), module_receiver, request.param,
+        args=["--otlp-traces-endpoint", endpoint],
+        env={"OTEL_EXPORTER_OTLP_TRACES_INSECURE": "true"},
+    )  # fmt: skip
+    yield s
+    s.stop()
+
+
+def _trace(receiver: Receiver, trace_id: int) -> list[WireSpan]:
+    return [s for s in wire_spans(receiver) if s.context.trace_id == trace_id]
+
+
+def api_tree(receiver: Receiver, trace_id: int, engine_roots: int = 1) -> Node:
+    """The one vllm.api.request of the trace, once it and its engine roots are in."""
+
+    def found() -> Node | None:
+        spans = [s for s in _trace(receiver, trace_id) if s.name in S.SPAN_NAMES]
+        trees = api_requests(spans)  # type: ignore[arg-type]
+        if len(trees) != 1:
+            return None
+        kids = trees[0].kids(S.SPAN_REQUEST)
+        return trees[0] if len(kids) >= engine_roots else None
+
+    return wait_until(found, 30, 0.2, f"the API tree of trace {trace_id:032x}")  # type: ignore[no-any-return]
+
+
+def _vllm_spans(receiver: Receiver, trace_id: int, parent_id: int) -> list[WireSpan]:
+    return [
+        s
+        for s in _trace(receiver, trace_id)
+        if s.name == "llm_request" and s.parent is not None and s.parent.span_id == parent_id
+    ]
+
+
+def check_api_tree(tree: Node, client_span: int | None, stream: bool) -> None:
+    """The schema's rules for one API tree (docs/spans.md)."""
+    span = tree.span
+    assert span.kind.name == "SERVER"
+    if client_span is not None:
+        assert span.parent is not None and span.parent.span_id == client_span
+    attrs = tree.attrs
+    assert set(attrs) <= S.attributes_of(S.SPAN_API), set(attrs) - S.attributes_of(S.SPAN_API)
+    assert attrs[S.API_STREAM] is stream and attrs[S.API_DISCONNECTED] is False
+    assert attrs[S.HTTP_STATUS] == 200 and S.ERROR_TYPE not in attrs
+    (inp,) = tree.kids(S.SPAN_API_INPUT)
+    (out,) = tree.kids(S.SPAN_API_OUTPUT)
+    engines = tree.kids(S.SPAN_REQUEST)
+    assert sorted(str(e.attrs[S.REQUEST_ID]) for e in engines) == sorted(attrs[S.API_REQUEST_IDS])  # type: ignore[call-overload]
+    assert inp.start == tree.start and out.end == tree.end
+    assert inp.end <= out.start
+    assert {S.API_READ_MS, S.API_RENDER_MS} <= set(inp.attrs)
+    first_body = tree.start + float(attrs[S.API_TTFT_MS]) * 1e6  # type: ignore[arg-type]
+    for engine in engines:
+        check_invariants(engine)  # INTERNAL under the API span
+        assert tree.start <= engine.start and engine.end <= tree.end
+        assert inp.start <= engine.start <= inp.end  # vLLM's arrival stamp
+        assert engine.end <= out.start + CLOCKS_NS  # freed before its last output came back
+        # The server's first token is never before the engine's.
+        engine_first = engine.start + float(engine.attrs[S.TTFT_MS]) * 1e6  # type: ignore[arg-type]
+        assert first_body + CLOCKS_NS >= engine_first
+    if stream:
+        assert int(out.attrs[S.API_CHUNKS]) > 2  # type: ignore[call-overload]
+    else:
+        assert out.attrs[S.API_CHUNKS] == 1 and attrs[S.API_TTFT_MS] == attrs[S.API_E2E_MS]
+
+
+def check_against_vllm(receiver: Receiver, tree: Node) -> None:
+    """vLLM's own llm_request (its latencies: from its arrival stamp to the
+    moments its output processor saw the first and the last output) under our
+    span, and ours never shorter once the read before vLLM's stamp is added."""
+    ids = tree.span.context
+    vllm = wait_until(
+        lambda: _vllm_spans(receiver, ids.trace_id, ids.span_id) or None, 30, 0.2, "llm_request"
+    )
+    (inp,) = tree.kids(S.SPAN_API_INPUT)
+    read_ms = float(inp.attrs[S.API_READ_MS])  # type: ignore[arg-type]
+    assert len(vllm) == len(tree.kids(S.SPAN_REQUEST))
+    for span in vllm:
+        e2e_ms = float(span.attributes["gen_ai.latency.e2e"]) * 1e3  # type: ignore[arg-type]
+        ttft_ms = float(span.attributes["gen_ai.latency.time_to_first_token"]) * 1e3  # type: ignore[arg-type]
+        assert read_ms + e2e_ms <= float(tree.attrs[S.API_E2E_MS]) + CLOCKS_NS / 1e6  # type: ignore[arg-type]
+        assert read_ms + ttft_ms <= float(tree.attrs[S.API_TTFT_MS]) + CLOCKS_NS / 1e6  # type: ignore[arg-type]
+
+
+def _completion(server: VllmServer, stream: bool, n: int = 1) -> tuple[int, int]:
+    tp, trace_id, span_id = new_traceparent()
+    c = client(server)
+    if stream:
+        chunks = c.chat.completions.create(
+            model=server.model, messages=[{"role": "user", "content": "why is it slow"}],
+            max_tokens=8, stream=True, extra_headers={"traceparent": tp},
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert sum(1 for _ in chunks) >= 8
+    else:
+        resp = c.completions.create(
+            model=server.model, prompt="the api server", max_tokens=6, n=n,
+            extra_headers={"traceparent": tp}, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert len(resp.choices) == n
+    return trace_id, span_id
+
+
+def test_every_request_has_its_api_tree_with_the_engine_inside(server, module_receiver) -> None:  # type: ignore[no-untyped-def]
+    """Streams and non-streams, chat and completions, n=2, concurrently."""
+    kinds = [(True, 1)] * 4 + [(False, 1)] * 4 + [(False, 2)]
+    random.shuffle(kinds)
+    with ThreadPoolExecutor(len(kinds)) as pool:
+        sent = list(pool.map(lambda k: (k, _completion(server, *k)), kinds))
+    for (stream, n), (trace_id, span_id) in sent:
+        tree = api_tree(module_receiver, trace_id, engine_roots=n)
+        check_api_tree(tree, span_id, stream)
+        check_against_vllm(module_receiver, tree)
+
+
+def test_a_prompt_too_long_is_an_error_span_without_engine(server, module_receiver) -> None:  # type: ignore[no-untyped-def]
+    import openai
+
+    tp, trace_id, _ = new_traceparent()
+    with pytest.raises(openai.BadRequestError):
+        client(server).completions.create(
+            model=server.model, prompt="long " * 3000, max_tokens=4,
+            extra_headers={"traceparent": tp},
+        )  # fmt: skip
+    tree = api_tree(module_receiver, trace_id, engine_roots=0)
+    assert tree.span.status_code == ERROR
+    assert tree.attrs[S.HTTP_STATUS] == 400 and tree.attrs[S.ERROR_TYPE] == "400"
+    assert [k.name for k in tree.children] == [S.SPAN_API_INPUT]
+    assert S.API_TTFT_MS not in tree.attrs and S.API_REQUEST_IDS not in tree.attrs
+    assert not [s for s in _trace(module_receiver, trace_id) if s.name == S.SPAN_REQUEST]
+
+
+def test_a_client_that_goes_away_is_marked_and_its_journey_aborted(server, module_receiver) -> None:  # type: ignore[no-untyped-def]
+    import httpx
+
+    tp, trace_id, _ = new_traceparent()
+    body = {"model": server.model, "prompt": "go away", "max_tokens": 1500, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream(
+            "POST", server.url + "/v1/completions", json=body, headers={"traceparent": tp}
+        ) as resp,
+    ):
+        lines = resp.iter_lines()
+        got = [next(lines) for _ in range(6)]
+    assert any(line.startswith("data:") for line in got)
+    tree = api_tree(module_receiver, trace_id)
+    assert tree.attrs[S.API_DISCONNECTED] is True
+    (engine,) = tree.kids(S.SPAN_REQUEST)
+    assert engine.attrs[S.FINISH_STATUS] == S.FINISH_ABORTED
+    assert not tree.kids(S.SPAN_API_OUTPUT)  # the engine's last output never came
+
+
+def test_under_the_fastapi_instrumentation_one_tree_one_server_span(  # type: ignore[no-untyped-def]
+    model_dir, module_receiver, tmp_path
+) -> None:
+    """`opentelemetry-instrument`'s FastAPI span is the request's SERVER span;
+    ours is its INTERNAL child and the engine's journey ours (not siblings)."""
+    launcher = Path(__file__).resolve().parent.parent / "fixtures" / "instrumented_serve.py"
+    s = start_server(
+        model_dir, tmp_path, module_receiver, "3proc",
+        command=[str(VENV / "bin" / "python"), str(launcher)],
+    )  # fmt: skip
+    try:
+        trace_id, span_id = _completion(s, stream=False)
+
+        def spans() -> list[WireSpan] | None:
+            got = _trace(module_receiver, trace_id)
+            names = {x.name for x in got}
+            return got if {S.SPAN_API, S.SPAN_REQUEST, "POST /v1/completions"} <= names else None
+
+        got = wait_until(spans, 30, 0.2, "FastAPI's span and ours")
+    finally:
+        s.stop()
+    (fastapi,) = [x for x in got if x.name == "POST /v1/completions"]
+    (api,) = [x for x in got if x.name == S.SPAN_API]
+    (engine,) = [x for x in got if x.name == S.SPAN_REQUEST]
+    assert [x.name for x in got if x.kind.name == "SERVER"] == [fastapi.name]
+    assert fastapi.parent is not None and fastapi.parent.span_id == span_id
+    assert api.kind.name == "INTERNAL"
+    assert api.parent is not None and api.parent.span_id == fastapi.context.span_id
+    assert engine.parent is not None and engine.parent.span_id == api.context.span_id
+    assert fastapi.start_time <= api.start_time <= api.end_time <= fastapi.end_time
+
+
+def test_each_of_two_api_servers_traces_its_requests(model_dir, module_receiver, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """--api-server-count 2: each API server process has its own pipeline and
+    exporter; every request gets its tree, whichever server took it."""
+    s = start_server(
+        model_dir, tmp_path, module_receiver, "3proc", args=["--api-server-count", "2"]
+    )
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            sent = list(pool.map(lambda _: _completion(s, stream=False), range(16)))
+        pids: set[Any] = set()
+        for trace_id, span_id in sent:
+            tree = api_tree(module_receiver, trace_id)
+            check_api_tree(tree, span_id, stream=False)
+            pids.add(tree.span.resource.get(S.RES_PID))  # type: ignore[attr-defined]
+    finally:
+        s.stop()
+    print("API-server processes that served:", sorted(pids))
+    assert pids and None not in pids
