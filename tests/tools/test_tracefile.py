@@ -112,7 +112,9 @@ def test_rotation_bounds_disk(tmp_path, traced) -> None:  # type: ignore[no-unty
     for s in spans:
         exporter.export([s])
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == ["r.jsonl", "r.jsonl.1", "r.jsonl.2"]
+    # r.jsonl.lock: the writers' lock between processes, empty, never rotated.
+    assert files == ["r.jsonl", "r.jsonl.1", "r.jsonl.2", "r.jsonl.lock"]
+    assert (tmp_path / "r.jsonl.lock").stat().st_size == 0
     assert all((tmp_path / f).stat().st_size <= 4000 for f in files)
 
 

@@ -10,12 +10,15 @@ Disk is bounded: when the file would pass ``VLLM_JOURNEY_OTEL_FILE_MAX_MB`` it i
 rotated (``F`` -> ``F.1`` -> ... -> ``F.<keep>``) and the oldest is deleted, so at
 most ``(keep + 1) * max_mb`` MB are used.
 
-Thread-safety: ``export`` is called by the BatchSpanProcessor's thread; a lock
-keeps lines whole if several processors share one exporter.
+Thread-safety: ``export`` is called by the export stage's thread; a lock keeps
+lines whole if several share one exporter, and an advisory lock on ``F.lock``
+(never rotated) does the same between processes: the API server's exporter and
+the engine cores' write the same file.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -69,7 +72,8 @@ class OtlpJsonFileExporter(SpanExporter):
             return SpanExportResult.SUCCESS
         data = (spans_to_json(spans) + "\n").encode()
         try:
-            with self._lock:
+            with self._lock, open(f"{self.path}.lock", "ab") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed
                 size = self.path.stat().st_size if self.path.exists() else 0
                 if size and size + len(data) > self.max_bytes:
                     self._rotate()

@@ -24,7 +24,10 @@ PHASES = (
 )
 PERCENTILES = (50, 90, 95, 99)
 # The only spans whose attributes the summary reads.
-SUMMARY_ATTRIBUTES = frozenset({S.SPAN_REQUEST, S.SPAN_WAIT, S.SPAN_IN_FLIGHT})
+SUMMARY_ATTRIBUTES = frozenset({S.SPAN_REQUEST, S.SPAN_WAIT, S.SPAN_IN_FLIGHT, S.SPAN_API})
+# The API server's part (vllm.api.*): root attributes, and its two sides' durations.
+API_PHASES = (("api:ttft", S.API_TTFT_MS), ("api:e2e", S.API_E2E_MS))
+API_SIDES = {S.SPAN_API_INPUT: "api:input", S.SPAN_API_OUTPUT: "api:output"}
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -103,6 +106,12 @@ class Summary:
     # the root span id they belong to: (request id, longest in flight seen in ms,
     # state then, wait reason then).
     in_flight: dict[str, tuple[str, float, str, str | None]] = field(default_factory=dict)
+    # The API server's part: its phases (API_PHASES, API_SIDES), requests that
+    # failed (the root's error.type) and clients that went away.
+    api_ms: dict[str, list[float]] = field(default_factory=dict)
+    api_requests: int = 0
+    api_failed: int = 0
+    api_disconnected: int = 0
     ended: set[str] = field(default_factory=set)  # root span ids whose journey is here
 
     def to_dict(self) -> dict[str, Any]:
@@ -120,6 +129,16 @@ class Summary:
             "spans": self.spans,
             "finish_status": dict(self.statuses),
             "phases_ms": {name: stats(v) for name, v in self.phases_ms.items()},
+            "api_server": (
+                {
+                    "requests": self.api_requests,
+                    "failed": self.api_failed,
+                    "disconnected": self.api_disconnected,
+                    "phases_ms": {name: stats(v) for name, v in self.api_ms.items()},
+                }
+                if self.api_requests
+                else None
+            ),
             "preemption": {
                 "preempted_requests": self.preempted_requests,
                 "preemptions": self.preemptions,
@@ -192,6 +211,11 @@ def summarize(spans: Iterable[FileSpan], top: int = 10) -> Summary:
                     summary.kv_transfer_failed += 1
         elif span.name == S.SPAN_IN_FLIGHT:
             _in_flight(summary, span)
+        elif span.name == S.SPAN_API:
+            _api(summary, span)
+        elif span.name in API_SIDES:
+            ms = (span.end_unix_ns - span.start_unix_ns) / 1e6
+            summary.api_ms.setdefault(API_SIDES[span.name], []).append(ms)
         elif span.name == S.SPAN_PREEMPTED:
             lost_by_parent[span.parent_span_id] = (
                 lost_by_parent.get(span.parent_span_id, 0.0)
@@ -227,6 +251,16 @@ def summarize(spans: Iterable[FileSpan], top: int = 10) -> Summary:
     return summary
 
 
+def _api(summary: Summary, span: FileSpan) -> None:
+    summary.api_requests += 1
+    summary.api_failed += S.ERROR_TYPE in span.attributes
+    summary.api_disconnected += span.attributes.get(S.API_DISCONNECTED) is True
+    for name, key in API_PHASES:
+        value = span.attributes.get(key)
+        if isinstance(value, int | float):  # missing is not zero
+            summary.api_ms.setdefault(name, []).append(float(value))
+
+
 def _in_flight(summary: Summary, span: FileSpan) -> None:
     """A snapshot: keep the request's longest-seen one (one without its time in
     flight is not counted: missing is not zero)."""
@@ -256,6 +290,10 @@ def format_text(d: dict[str, Any]) -> str:
         + f"{'max':>10}",
     ]
     rows = list(d["phases_ms"].items())
+    api = d.get("api_server")
+    if api:  # the API server's part: server-side TTFT and end to end, its two sides
+        rows += [(name, api["phases_ms"].get(name)) for name in ("api:ttft", "api:e2e")]
+        rows += [(name, api["phases_ms"].get(name)) for name in API_SIDES.values()]
     # Waits inside the queue, one row per reason seen (e.g. "wait:lora_slot").
     rows += [(f"wait:{reason}", stats) for reason, stats in d.get("waits_ms", {}).items()]
     kv = d.get("kv_transfer")
@@ -280,6 +318,11 @@ def format_text(d: dict[str, Any]) -> str:
         f"tokens: input {d['tokens']['input']} (cached {d['tokens']['cached_input']}), "
         f"output {d['tokens']['output']}",
     ]
+    if api:
+        lines.append(
+            f"API server: {api['requests']} requests, {api['failed']} failed, "
+            f"{api['disconnected']} clients went away"
+        )
     spec = d.get("speculative_decoding")
     if spec:
         per = spec["acceptance_rate_per_request"]
