@@ -34,7 +34,7 @@ ERROR = 2  # OTLP status code
 def server(request, model_dir, module_receiver, tmp_path_factory) -> Iterator[VllmServer]:  # type: ignore[no-untyped-def]
     endpoint = f"http://127.0.0.1:{module_receiver.grpc_port}"
     s = start_server(
-        model_dir, tmp_path_factory.mktemp("api"), module_receiver, request.param,
+        model_dir, tmp_path_factory.mktemp("api"), module_receiver, request.param, api_spans=True,
         args=["--otlp-traces-endpoint", endpoint],
         env={"OTEL_EXPORTER_OTLP_TRACES_INSECURE": "true"},
     )  # fmt: skip
@@ -195,7 +195,7 @@ def test_under_the_fastapi_instrumentation_one_tree_one_server_span(  # type: ig
     ours is its INTERNAL child and the engine's journey ours (not siblings)."""
     launcher = Path(__file__).resolve().parent.parent / "fixtures" / "instrumented_serve.py"
     s = start_server(
-        model_dir, tmp_path, module_receiver, "3proc",
+        model_dir, tmp_path, module_receiver, "3proc", api_spans=True,
         command=[str(VENV / "bin" / "python"), str(launcher)],
     )  # fmt: skip
     try:
@@ -224,7 +224,12 @@ def test_each_of_two_api_servers_traces_its_requests(model_dir, module_receiver,
     """--api-server-count 2: each API server process has its own pipeline and
     exporter; every request gets its tree, whichever server took it."""
     s = start_server(
-        model_dir, tmp_path, module_receiver, "3proc", args=["--api-server-count", "2"]
+        model_dir,
+        tmp_path,
+        module_receiver,
+        "3proc",
+        api_spans=True,
+        args=["--api-server-count", "2"],
     )
     try:
         with ThreadPoolExecutor(8) as pool:
