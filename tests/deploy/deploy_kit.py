@@ -152,7 +152,7 @@ OTELCOL_LABELS |= {"sampled"}
 # Tokens in deploy/ files that look like schema names: vllm.* and gen_ai.*.
 # File names (vllm.yaml) are not names.
 SCHEMA_TOKEN = re.compile(
-    r"(?<![\w/-])(?:vllm|gen_ai)(?:\.[a-z_]+)+(?!\w)(?<!\.yaml)(?<!\.yml)(?<!\.json)"
+    r"(?<![\w/-])(?:vllm|gen_ai)(?:\.[a-z_][a-z0-9_]*)+(?!\w)(?<!\.yaml)(?<!\.yml)(?<!\.json)"
 )
 
 
