@@ -3,8 +3,12 @@
 Four servers of the tiny CPU model stay up side by side; only one serves at a
 time. Each round sends REQUESTS completions of one token (CONCURRENCY at a time,
 keep-alive connections) to each server in turn, in a rotating order, and
-records requests/s as the client sees it; ratios are taken within each round,
-then their median and spread over the rounds. With one output token a request
+records requests/s as the client sees it, and the CPU time the API-server
+process (every thread of it: the event loop, vLLM's and our threads) used per
+request; ratios are taken within each round, then their median and spread
+over the rounds. On a 2-vCPU machine requests/s swing with where the engine's
+threads land (rounds fall into speed groups whichever mode runs); the API
+server's CPU per request is what our per-request work adds to, and is steadier. With one output token a request
 is mostly API-server work (parse, render, tokenize, hand-off, detokenize,
 respond), so this is where the API-server spans' cost on the event loop shows.
 
@@ -68,6 +72,8 @@ def main() -> None:
 
     servers: dict[str, VllmServer] = {}
     rates: dict[str, list[float]] = {name: [] for name in modes}
+    cpu_us: dict[str, list[float]] = {name: [] for name in modes}
+    import psutil
     try:
         for name, env in modes.items():
             servers[name] = VllmServer(model, tmp / f"{name}.log", env)
@@ -75,6 +81,8 @@ def main() -> None:
 
         def round_of(name: str) -> float:
             s = servers[name]
+            api = psutil.Process(s.pid)
+            cpu0 = api.cpu_times()
             body = {"model": s.model, "max_tokens": 1, "ignore_eos": True}
             http = httpx.Client(timeout=120, limits=httpx.Limits(max_connections=concurrency))
 
@@ -90,19 +98,23 @@ def main() -> None:
             finally:
                 http.close()
             elapsed = time.perf_counter() - t0
+            cpu1 = api.cpu_times()
             assert out == requests, out
+            used = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
+            cpu_us[name].append(used / requests * 1e6)
             return requests / elapsed
 
         for name in modes:
             round_of(name)  # warm-up round, not counted
+            cpu_us[name].clear()
         for r in range(rounds):
             names = list(modes)
             names = names[r % len(names) :] + names[: r % len(names)]
             for name in names:
                 rates[name].append(round_of(name))
 
-        def ratio(a: str, b: str) -> dict[str, float]:
-            return quantiles([x / y for x, y in zip(rates[a], rates[b], strict=True)])
+        def ratio(a: str, b: str, of: dict[str, list[float]] = rates) -> dict[str, float]:
+            return quantiles([x / y for x, y in zip(of[a], of[b], strict=True)])
 
         print(json.dumps({
             "rounds": rounds, "requests": requests, "concurrency": concurrency,
@@ -111,6 +123,12 @@ def main() -> None:
             "ratio_on_api_off": ratio("on", "api-off"),
             "ratio_api_off_off": ratio("api-off", "off"),
             "ratio_off2_off (A/A)": ratio("off-2", "off"),
+            "api_server_cpu_us_per_request_median": {
+                k: round(statistics.median(v), 1) for k, v in cpu_us.items()
+            },
+            "cpu_ratio_on_off": ratio("on", "off", cpu_us),
+            "cpu_ratio_on_api_off": ratio("on", "api-off", cpu_us),
+            "cpu_ratio_off2_off (A/A)": ratio("off-2", "off", cpu_us),
             "per_round": {k: [round(x, 1) for x in v] for k, v in rates.items()},
         }, indent=2))  # fmt: skip
     finally:
