@@ -8,9 +8,10 @@ process (every thread of it: the event loop, vLLM's and our threads) used per
 request; ratios are taken within each round, then their median and spread
 over the rounds. On a 2-vCPU machine requests/s swing with where the engine's
 threads land (rounds fall into speed groups whichever mode runs); the API
-server's CPU per request is what our per-request work adds to, and is steadier. With one output token a request
-is mostly API-server work (parse, render, tokenize, hand-off, detokenize,
-respond), so this is where the API-server spans' cost on the event loop shows.
+server's CPU per request is what our per-request work adds to, and is
+steadier. With one output token a request is mostly API-server work (parse,
+render, tokenize, hand-off, detokenize, respond), so this is where the
+API-server spans' cost on the event loop shows.
 
 * off: plain `vllm serve`;
 * off-2: the same again, the A/A control (its ratio to off is the resolution);
