@@ -321,6 +321,38 @@ def build() -> dict[str, Any]:
     b.add(quantiles_panel(S.SPAN_DECODE, "Decode"), 12, 8)
     b.add(quantiles_panel(S.SPAN_PREEMPTED, "Preempted"), 12, 8)
 
+    # ------------------------------------------------------- the API server's part
+    b.row("The API server's part (span metrics, every request)")
+    b.add(quantiles_panel(S.SPAN_API, "Server end to end (receipt to last byte)"), 8, 8)
+    b.add(quantiles_panel(S.SPAN_API_INPUT, "API input side (read, render, hand-off)"), 8, 8)
+    b.add(quantiles_panel(S.SPAN_API_OUTPUT, "API output side (last output to last byte)"), 8, 8)
+    api_cols = ", ".join(
+        f"span.{k}"
+        for k in (S.API_TTFT_MS, S.API_E2E_MS, S.URL_PATH, S.HTTP_STATUS, S.API_STREAM,
+                  S.API_DISCONNECTED)
+    )  # fmt: skip
+    b.add(
+        {
+            "type": "table",
+            "title": "Slowest first tokens at the server",
+            "description": f"`{S.SPAN_API}` spans (kept traces, newest 50) with the server's "
+            f"time to first token (`{S.API_TTFT_MS}`: receipt to the first response bytes) and "
+            "end to end. Compare with the engine's `vllm.journey.ttft_ms` in the trace: "
+            "the difference is the API server's input and output sides.",
+            "datasource": TEMPO,
+            "targets": [
+                traceql_search(f'{{name="{S.SPAN_API}" && {TQL_SEL}}} | select({api_cols})')
+            ],
+            "fieldConfig": {"defaults": {}, "overrides": []},
+            "options": {
+                "showHeader": True,
+                "sortBy": [{"displayName": S.API_TTFT_MS, "desc": True}],
+            },
+        },
+        24,
+        8,
+    )
+
     # ---------------------------------------------------- phases (TraceQL metrics)
     b.row("Where the time goes (TraceQL metrics, kept traces)")
     for span, what in (

@@ -419,6 +419,8 @@ def collector_refs() -> tuple[set[str | None], list[tuple[set[str] | None, str]]
                 promises.append((None, key))
                 if key in ENUMS and not set(pol["string_attribute"]["values"]) <= ENUMS[key]:
                     problems.append(f"{key} values {pol['string_attribute']['values']}")
+            if pol["type"] == "boolean_attribute":
+                promises.append((None, pol["boolean_attribute"]["key"]))
             if pol["type"] == "ottl_condition":
                 for cond in pol["ottl_condition"].get("span", []):
                     for name in re.findall(r'\bname\s*==\s*"([^"]+)"', cond):
@@ -511,6 +513,14 @@ def policies_keeping(policy_list: list[dict[str, Any]], spans: list[Any]) -> set
             return any(
                 {**dict(s.resource.attributes), **dict(s.attributes or {})}.get(cfg["key"])
                 in cfg["values"]
+                for s in spans
+            )
+        if kind == "boolean_attribute":  # the collector's booleanattribute filter
+            cfg = pol["boolean_attribute"]
+            assert not cfg.get("invert_match"), "the test's model has no invert_match"
+            return any(
+                {**dict(s.resource.attributes), **dict(s.attributes or {})}.get(cfg["key"])
+                is cfg["value"]
                 for s in spans
             )
         if kind == "ottl_condition":
