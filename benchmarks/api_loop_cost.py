@@ -1,0 +1,173 @@
+"""What the API-server spans cost the API server's event loop, per request.
+
+A real FastAPI app (the framework vLLM's server is) on one asyncio event loop,
+called through ASGI in-process (no sockets, so nothing but the app and our code
+runs): a JSON completion route and an event-stream route of CHUNKS chunks,
+each calling our hooks as vLLM's AsyncLLM and OutputProcessor wrappers do
+(one engine request, its hand-off, its last output). Three apps side by side:
+
+* off: no middleware (API-server spans off);
+* off-2: the same again, the A/A control;
+* on: our middleware, records handed to this process's pipeline, whose drain
+  thread writes them to a real exporter process (OTEL_TRACES_EXPORTER=none).
+
+Blocks of REQUESTS requests per app, rotating, ROUNDS times. Printed: CPU
+microseconds per request of the event-loop thread (``time.thread_time``) and of
+the whole process (the drain thread included: it shares the GIL), median over
+the blocks, and the differences on - off and off-2 - off (the resolution).
+Compare them with the API server's own CPU per request under `vllm serve`
+(``benchmarks/api_server_bench.py``: about 1.3 ms per one-token completion on
+this machine) for the share.
+
+    .venv/bin/python benchmarks/api_loop_cost.py [ROUNDS] [REQUESTS] [CHUNKS]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+from typing import Any
+
+os.environ.setdefault("OTEL_TRACES_EXPORTER", "none")
+
+
+def make_app(traced: bool, chunks: int) -> Any:
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    from vllm_journey_otel.engine import api_server
+    from vllm_journey_otel.engine.frontend import install_middleware
+
+    app = FastAPI()
+    counter = iter(range(10**9))
+
+    def engine_request() -> str:
+        """What the OutputProcessor.add_request / AsyncLLM.add_request wrappers do."""
+        request_id = f"cmpl-{next(counter)}"
+        api = api_server.current()
+        if api is not None:
+            api.on_engine_request(SimpleNamespace(request_id=request_id, arrival_time=time.time()))
+            api.on_handoff()
+        return request_id
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        body = await request.json()
+        request_id = engine_request()
+        api_server.on_last_output(request_id)
+        return JSONResponse({"id": request_id, "choices": [{"text": "x"}], "n": body["n"]})
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        await request.json()
+        request_id = engine_request()
+
+        async def events() -> Any:
+            for i in range(chunks):
+                yield f'data: {{"id": "{request_id}", "i": {i}}}\n\n'
+            api_server.on_last_output(request_id)
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    if traced:
+        install_middleware(app)
+    else:  # built now, without ours (the installed hook would insert it)
+        from vllm_journey_otel.engine.state import _STATE
+
+        _STATE.enabled = False
+        app.middleware_stack = app.build_middleware_stack()
+        _STATE.enabled = True
+    return app
+
+
+async def call(app: Any, path: str) -> None:
+    body = json.dumps({"model": "m", "prompt": "hi", "n": 1}).encode()
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+        "root_path": "", "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 5000),
+        "headers": [(b"content-type", b"application/json"), (b"host", b"127.0.0.1")],
+    }  # fmt: skip
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.sleep(3600)  # the client stays: no disconnect
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    await app(scope, receive, send)
+
+
+async def block(app: Any, requests: int) -> tuple[float, float]:
+    t0, p0 = time.thread_time(), time.process_time()
+    for i in range(requests):
+        await call(app, "/v1/chat/completions" if i % 2 else "/v1/completions")
+    return (
+        (time.thread_time() - t0) / requests * 1e6,
+        (time.process_time() - p0) / requests * 1e6,
+    )
+
+
+def main() -> None:
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 12
+    requests = int(sys.argv[2]) if len(sys.argv) > 2 else 2000
+    chunks = int(sys.argv[3]) if len(sys.argv) > 3 else 16
+    from vllm_journey_otel.config import Config
+    from vllm_journey_otel.engine import hooks
+    from vllm_journey_otel.engine.handoff import _pipeline_for
+
+    assert hooks.install(Config(enabled=True))
+    owner = SimpleNamespace(
+        vllm_config=SimpleNamespace(
+            model_config=SimpleNamespace(served_model_name="bench", model="bench"),
+            parallel_config=SimpleNamespace(data_parallel_rank=0),
+        )
+    )
+    pipeline = _pipeline_for(owner)
+    apps = {"off": make_app(False, chunks), "off-2": make_app(False, chunks),
+            "on": make_app(True, chunks)}  # fmt: skip
+    loop_us: dict[str, list[float]] = {k: [] for k in apps}
+    proc_us: dict[str, list[float]] = {k: [] for k in apps}
+
+    async def run() -> None:
+        for app in apps.values():
+            await block(app, requests // 4)  # warm-up
+        for r in range(rounds):
+            names = list(apps)
+            for name in names[r % 3 :] + names[: r % 3]:
+                a, b = await block(apps[name], requests)
+                loop_us[name].append(a)
+                proc_us[name].append(b)
+
+    asyncio.run(run())
+    pipeline.flush(10)
+    med = {k: round(statistics.median(v), 2) for k, v in loop_us.items()}
+    pmed = {k: round(statistics.median(v), 2) for k, v in proc_us.items()}
+    print(json.dumps({
+        "rounds": rounds, "requests_per_block": requests, "stream_chunks": chunks,
+        "loop_thread_cpu_us_per_request": med,
+        "process_cpu_us_per_request": pmed,
+        "loop_on_minus_off_us": round(med["on"] - med["off"], 2),
+        "loop_off2_minus_off_us (A/A)": round(med["off-2"] - med["off"], 2),
+        "process_on_minus_off_us": round(pmed["on"] - pmed["off"], 2),
+        "process_off2_minus_off_us (A/A)": round(pmed["off-2"] - pmed["off"], 2),
+        "records_handed_on": pipeline.published + pipeline.exported,
+        "records_dropped": pipeline.dropped,
+    }, indent=2))  # fmt: skip
+    hooks.uninstall()
+
+
+if __name__ == "__main__":
+    main()
