@@ -1,8 +1,8 @@
 """The API server's figures against vLLM's own: server-side TTFT and end to end.
 
 One `vllm serve` of the tiny CPU model with the plugin on and vLLM's own tracing
-on (`--otlp-traces-endpoint`, the same receiver), a small KV cache so that
-requests are preempted; REQUESTS concurrent requests, half chat streams, half
+on (`--otlp-traces-endpoint`, the same receiver), a small KV cache (requests
+are preempted once the burst outgrows it); REQUESTS concurrent requests, half chat streams, half
 whole completions. For each finished request it pairs our `vllm.api.request`
 with vLLM's `llm_request` under it and prints quantiles (ms) of:
 
