@@ -19,7 +19,10 @@ API-server spans' cost on the event loop shows.
 * on: the plugin on with its defaults (API-server spans on), OTLP gRPC to a
   receiver here.
 
-    .venv/bin/python benchmarks/api_server_bench.py [ROUNDS] [REQUESTS] [CONCURRENCY]
+    .venv/bin/python benchmarks/api_server_bench.py [ROUNDS] [REQUESTS] [CONCURRENCY] [MODES]
+
+(MODES: a comma-separated subset, e.g. off,off-2,on; the ratios printed are
+those whose two modes ran.)
 """
 
 from __future__ import annotations
@@ -69,6 +72,8 @@ def main() -> None:
         "api-off": {**on, API_SPANS: "0"},
         "on": on,
     }
+    if len(sys.argv) > 4:
+        modes = {k: v for k, v in modes.items() if k in sys.argv[4].split(",")}
     import httpx
 
     servers: dict[str, VllmServer] = {}
@@ -114,7 +119,9 @@ def main() -> None:
             for name in names:
                 rates[name].append(round_of(name))
 
-        def ratio(a: str, b: str, of: dict[str, list[float]] = rates) -> dict[str, float]:
+        def ratio(a: str, b: str, of: dict[str, list[float]] = rates) -> dict[str, float] | None:
+            if a not in modes or b not in modes:
+                return None
             return quantiles([x / y for x, y in zip(of[a], of[b], strict=True)])
 
         print(json.dumps({

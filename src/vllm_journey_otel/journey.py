@@ -284,6 +284,10 @@ class ApiJourney(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=13)
     first_body_mono_ns: int | None
     last_output_mono_ns: int | None
     chunks: int
+    # The last response byte was handed on (end_mono_ns is it); False: the
+    # request ended otherwise (a client gone, an error) and end_mono_ns is
+    # when the app returned.
+    responded: bool = True
 
 
 # What the engine hands on to be exported.

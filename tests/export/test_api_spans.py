@@ -82,8 +82,11 @@ def test_turned_away_before_the_engine_is_an_error_with_the_input_side_only() ->
 def test_a_4xx_after_the_engine_and_an_exception() -> None:
     by_name, _ = build(record(status_code=404))
     assert by_name[S.SPAN_API].status.status_code == StatusCode.UNSET  # the engine ran
-    by_name, _ = build(record(status_code=0, exception="CancelledError", last_output_mono_ns=None))
+    rec = record(status_code=0, exception="CancelledError", last_output_mono_ns=None,
+                 responded=False)  # fmt: skip
+    by_name, _ = build(rec)
     root = by_name[S.SPAN_API]
+    assert S.API_E2E_MS not in root.attributes  # no last byte: no end to end, not 0
     assert root.attributes[S.ERROR_TYPE] == "CancelledError"
     assert S.HTTP_STATUS not in root.attributes
     assert S.SPAN_API_OUTPUT not in by_name  # no last output: no output side
@@ -97,6 +100,14 @@ def test_kept_by_the_tail_rule_a_root_in_the_clients_trace_linked_to_it() -> Non
     assert root.context.trace_id == CLIENT_TRACE and root.context.span_id == 0x1234
     assert [link.context.span_id for link in root.links] == [CLIENT_SPAN]
     assert root.attributes[S.SAMPLED_BY] == S.SAMPLED_TAIL
+
+
+def test_an_arrival_stamp_far_outside_the_input_side_says_nothing() -> None:
+    """A wall-clock step between vLLM's stamp and our anchor: no read/render split."""
+    offset = 1_700_000_000 * 10**9
+    far = (offset + 200 * MS) / 1e9  # after the end of the request
+    by_name, _ = build(record(arrival_time_s=far), offset)
+    assert not by_name[S.SPAN_API_INPUT].attributes
 
 
 def test_stamps_outside_the_root_are_clamped_into_it() -> None:

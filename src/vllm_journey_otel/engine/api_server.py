@@ -30,6 +30,7 @@ from typing import Any
 from opentelemetry import trace as otel_trace
 
 from vllm_journey_otel.engine.handoff import _pipeline_for, pipeline
+from vllm_journey_otel.engine.request_journey import bounded_trace_headers
 from vllm_journey_otel.engine.sampling import client_trace
 from vllm_journey_otel.engine.state import _STATE, _fail
 from vllm_journey_otel.journey import API_PARENT_KEY, ApiJourney, RootIds
@@ -73,12 +74,17 @@ def _parent(scope: Scope) -> tuple[dict[str, str] | None, bool]:
         if ctx.trace_state:
             headers["tracestate"] = ctx.trace_state.to_header()
         return headers, False
-    found: dict[str, str] | None = None
+    found: dict[str, str] = {}
     for name, value in scope.get("headers", ()):
-        if name == b"traceparent" or name == b"tracestate":
-            found = found or {}
-            found[name.decode("latin-1")] = value.decode("latin-1")
-    return found, True
+        if name == b"traceparent":
+            found["traceparent"] = value.decode("latin-1")
+        elif name == b"tracestate":  # several headers are one list (W3C)
+            text = value.decode("latin-1")
+            found["tracestate"] = f"{found['tracestate']},{text}" if "tracestate" in found else text
+    if client_trace(found.get("traceparent")) is None:
+        return None, True  # no valid parent: no tracestate either
+    # The sizes the engine keeps (a client cannot make the record grow).
+    return bounded_trace_headers(found), True
 
 
 class ApiRequest:
@@ -88,6 +94,7 @@ class ApiRequest:
         "arrival_time_s",
         "chunks",
         "disconnected",
+        "done",
         "end_ns",
         "engine_headers",
         "exception",
@@ -140,20 +147,28 @@ class ApiRequest:
         self.disconnected = False
         self.exception: str | None = None
         self.chunks = 0
+        # The middleware finished with it: a task it left behind (a background
+        # response) is no longer its part.
+        self.done = False
 
     # -- hooks of frontend.py ---------------------------------------------------
-    def on_engine_request(self, request: Any) -> None:
-        """OutputProcessor.add_request: an engine request of ours (n>1: each child)."""
+    def on_engine_request(self, request: Any) -> bool:
+        """OutputProcessor.add_request: an engine request of ours (n>1: each
+        child). False: the HTTP request is over (a task it left running)."""
+        if self.done:
+            return False
         request.trace_headers = self.engine_headers
         request_id = str(request.request_id)
         self.request_ids.append(request_id)
         _BY_ENGINE_ID[request_id] = self
         if not self.arrival_time_s:
             self.arrival_time_s = float(getattr(request, "arrival_time", 0.0) or 0.0)
+        return True
 
     def on_handoff(self) -> None:
         """AsyncLLM.add_request returned: the request went to the engine core."""
-        self.handoff_ns = time.monotonic_ns()
+        if not self.done:
+            self.handoff_ns = time.monotonic_ns()
 
     # -- ASGI messages ------------------------------------------------------------
     def on_start(self, message: Message) -> None:
@@ -185,6 +200,7 @@ class ApiRequest:
             request_ids=self.request_ids,
             receipt_mono_ns=self.receipt_ns,
             end_mono_ns=self.end_ns if self.end_ns is not None else now_ns,
+            responded=self.end_ns is not None,
             arrival_time_s=self.arrival_time_s,
             handoff_mono_ns=self.handoff_ns,
             first_body_mono_ns=self.first_body_ns,
@@ -209,6 +225,7 @@ def _traced(req: ApiRequest) -> bool:
 
 def _finish(req: ApiRequest) -> None:
     now_ns = time.monotonic_ns()
+    req.done = True
     for request_id in req.request_ids:  # aborted: their last output never came
         if _BY_ENGINE_ID.get(request_id) is req:
             del _BY_ENGINE_ID[request_id]
@@ -255,7 +272,12 @@ class JourneyMiddleware:
                 req.on_body(message, now_ns)
             elif kind == "http.response.start":
                 req.on_start(message)
-            await send(message)
+            try:
+                await send(message)
+            except OSError:  # ASGI 2.4 servers: the client went away (ClientDisconnect)
+                if req.end_ns is None or message.get("more_body", False):
+                    req.disconnected = True
+                raise
 
         async def receive_() -> Message:
             message = await receive()
@@ -267,7 +289,8 @@ class JourneyMiddleware:
         try:
             await self.app(scope, receive_, send_)
         except BaseException as exc:
-            req.exception = type(exc).__name__
+            if not req.disconnected:  # else the app's way of stopping for it
+                req.exception = type(exc).__name__
             raise
         finally:
             _CURRENT.reset(token)

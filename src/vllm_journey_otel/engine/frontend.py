@@ -71,9 +71,12 @@ def _wrap_async_add_request(orig: Callable[..., Any]) -> Callable[..., Any]:
             if token is not None:
                 _TRACE_HEADERS.reset(token)
         if api is not None:
-            api.on_handoff()
-            if pipeline() is None:  # the app's start-up found no vLLM config
-                _pipeline_for(self)
+            try:
+                api.on_handoff()
+                if pipeline() is None:  # the app's start-up found no vLLM config: once
+                    _pipeline_for(self)
+            except Exception:
+                _fail("AsyncLLM.add_request")
         return out
 
     return add_request
@@ -103,8 +106,8 @@ def _wrap_output_add_request(orig: Callable[..., Any]) -> Callable[..., Any]:
         api = current()
         headers = _TRACE_HEADERS.get()
         try:
-            if api is not None and _STATE.enabled:
-                api.on_engine_request(request)
+            if api is not None and _STATE.enabled and api.on_engine_request(request):
+                pass
             elif headers is not None and getattr(request, "trace_headers", None) is None:
                 request.trace_headers = headers
         except Exception:

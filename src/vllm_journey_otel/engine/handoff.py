@@ -52,7 +52,7 @@ def _make_sink(attributes: dict[str, Any]) -> Sink:
         except Exception:
             logger.warning(
                 "journey-otel: could not start the exporter process; building spans "
-                "in the engine core instead (%s=thread)",
+                "in this process instead (%s=thread)",
                 EXPORT_MODE,
                 exc_info=True,
             )

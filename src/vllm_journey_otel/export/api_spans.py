@@ -25,6 +25,9 @@ from vllm_journey_otel.export.spans import ROOT, PlannedSpan, client_context
 from vllm_journey_otel.journey import ApiJourney
 
 _NS_PER_MS = 1e6
+# How far vLLM's wall-clock arrival stamp may fall outside the input side
+# before it is taken for a wall-clock step rather than clock disagreement.
+_CLOCKS_NS = 1_000_000
 
 
 def _ms(a_ns: int, b_ns: int) -> float:
@@ -47,9 +50,10 @@ def _root_attributes(
         S.URL_PATH: rec.path,
         S.API_STREAM: rec.stream,
         S.API_DISCONNECTED: rec.disconnected,
-        S.API_E2E_MS: _ms(start, end),
         S.SAMPLED_BY: S.SAMPLED_HEAD if rec.head_sampled else S.SAMPLED_TAIL,
     }
+    if rec.responded:  # missing is not zero: no last byte, no end to end
+        attrs[S.API_E2E_MS] = _ms(start, end)
     if rec.request_ids:
         attrs[S.API_REQUEST_IDS] = tuple(rec.request_ids)
     if rec.status_code:
@@ -89,8 +93,15 @@ def plan_api(
     )
     handoff = at(rec.handoff_mono_ns) if rec.handoff_mono_ns is not None else end
     input_attrs: dict[str, AttributeValue] = {}
-    if rec.arrival_time_s > 0 and rec.handoff_mono_ns is not None:
-        arrival = min(max(start, int(rec.arrival_time_s * 1e9)), handoff)
+    arrival = int(rec.arrival_time_s * 1e9)
+    # vLLM's wall-clock stamp, inside the input side up to the clocks' agreement;
+    # far outside it (a wall-clock step) it says nothing: both figures absent.
+    if (
+        rec.arrival_time_s > 0
+        and rec.handoff_mono_ns is not None
+        and start - _CLOCKS_NS <= arrival <= handoff + _CLOCKS_NS
+    ):
+        arrival = min(max(start, arrival), handoff)
         input_attrs[S.API_READ_MS] = _ms(start, arrival)
         input_attrs[S.API_RENDER_MS] = _ms(arrival, handoff)
     plan = [root, PlannedSpan(S.SPAN_API_INPUT, start, handoff, ROOT, input_attrs)]

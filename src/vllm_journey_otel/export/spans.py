@@ -144,8 +144,11 @@ class _Planner:
         self.first_sched = next((e for e in j.events if isinstance(e, Scheduled)), None)
         queued_end = self.first_sched.at if self.first_sched is not None else j.end
         # Under the API server's vllm.api.request the engine's root is INTERNAL:
-        # one SERVER span per request.
-        nested = j.trace_headers is not None and API_PARENT_KEY in j.trace_headers
+        # one SERVER span per request. Kept by the tail rule it is a root of its
+        # own trace (linked to the API server's span): SERVER again.
+        nested = (
+            j.head_sampled and j.trace_headers is not None and API_PARENT_KEY in j.trace_headers
+        )
         kind = SpanKind.INTERNAL if nested else SpanKind.SERVER
         root = PlannedSpan(S.SPAN_REQUEST, start, self.root_end, None, kind=kind)
         queued = PlannedSpan(
