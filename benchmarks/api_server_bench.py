@@ -22,15 +22,12 @@ API-server spans' cost on the event loop shows.
     .venv/bin/python benchmarks/api_server_bench.py [ROUNDS] [REQUESTS] [CONCURRENCY] [MODES]
 
 (MODES: a comma-separated subset, e.g. off,off-2,on; the ratios printed are
-those whose two modes ran.) With PIN=1 in the environment each server's API
-server runs on CPU 0 (``taskset``) and vLLM binds its model worker to the
-last CPU (VLLM_CPU_OMP_THREADS_BIND), so every round places them alike.
+those whose two modes ran.)
 """
 
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -84,13 +81,8 @@ def main() -> None:
     cpu_us: dict[str, list[float]] = {name: [] for name in modes}
     import psutil
     try:
-        pin = os.environ.get("PIN") == "1"
-        last = str((os.cpu_count() or 1) - 1)
         for name, env in modes.items():
-            if pin:
-                env = {**env, "VLLM_CPU_OMP_THREADS_BIND": last}
-            command = ["taskset", "-c", "0", str(ROOT / ".venv" / "bin" / "vllm")] if pin else []
-            servers[name] = VllmServer(model, tmp / f"{name}.log", env, command=command)
+            servers[name] = VllmServer(model, tmp / f"{name}.log", env)
             servers[name].wait_ready()
 
         def round_of(name: str) -> float:
