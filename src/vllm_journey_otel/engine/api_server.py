@@ -233,7 +233,9 @@ def _finish(req: ApiRequest) -> None:
         return
     if not req.sampled:
         end = req.end_ns if req.end_ns is not None else now_ns
+        # As export/api_spans.failed: raised, 5xx, or turned away before the engine.
         error = req.exception is not None or req.status_code >= 500
+        error = error or (req.status_code >= 400 and not req.request_ids)
         if not _STATE.tail.keeps(error, req.disconnected, 0, end - req.receipt_ns):
             return
     target = pipeline()
