@@ -111,6 +111,7 @@ class Engine:
         max_loras: int = 0,
         remote_kv: bool | str = False,
         spec_metrics: str = "none",
+        otlp_traces_endpoint: str | None = None,
     ) -> None:
         global _HASH_READY
         if not _HASH_READY:
@@ -142,12 +143,14 @@ class Engine:
                 prompt_lookup_max=4,
                 prompt_lookup_min=2,
             )
-        if spec_metrics != "none":
+        if spec_metrics != "none" or otlp_traces_endpoint is not None:
             from vllm.config import ObservabilityConfig
 
-            # vLLM's own per-request draft counts (--per-request-spec-decode-metrics).
+            # vLLM's own per-request draft counts (--per-request-spec-decode-metrics)
+            # and its own tracing (--otlp-traces-endpoint).
             extra["observability_config"] = ObservabilityConfig(
-                per_request_spec_decode_metrics=spec_metrics
+                per_request_spec_decode_metrics=spec_metrics,
+                otlp_traces_endpoint=otlp_traces_endpoint,
             )
         if max_loras:
             from vllm.config import LoRAConfig
@@ -220,6 +223,8 @@ class Engine:
         self.prefill_stats: dict[str, Any] = {}
         # request id -> token ids delivered to the client, in order
         self.outputs: dict[str, list[int]] = {}
+        # request id -> how many of its outputs carried trace headers
+        self.outputs_with_headers: dict[str, int] = {}
 
     # -- requests ------------------------------------------------------------
     def add(
@@ -383,6 +388,9 @@ class Engine:
                 if getattr(out, "prefill_stats", None) is not None:
                     self.prefill_stats[out.request_id] = out.prefill_stats
                 self.outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.trace_headers is not None:
+                    seen = self.outputs_with_headers
+                    seen[out.request_id] = seen.get(out.request_id, 0) + 1
         if self.num_spec_tokens and not self.async_scheduling:
             # Async scheduling drafts in the worker: the AsyncScheduler schedules
             # placeholders itself (EngineCore.post_step skips this too).

@@ -243,3 +243,24 @@ def test_the_engines_parent_is_the_propagators_parent(header: str) -> None:
     assert (mine is None) == (theirs is None), header
     if mine is not None and theirs is not None:
         assert mine[0] == theirs.trace_id and (mine[1] & 1) == int(theirs.trace_flags.sampled)
+
+
+@pytest.mark.parametrize("vllm_tracing", [False, True])
+def test_trace_headers_read_at_admission_not_copied_into_every_output(
+    vllm_tracing, tracing
+) -> None:  # type: ignore[no-untyped-def]
+    """vLLM copies a request's trace_headers into each of its outputs (serialised
+    in the engine core, decoded in the API server, per token) for its own
+    tracing alone. Without it the tracker takes them at admission and no output
+    carries them; the journey is still in the client's trace. With vLLM's own
+    tracing on (--otlp-traces-endpoint) they are left for it, on every output."""
+    harness = import_harness()
+    endpoint = "http://127.0.0.1:1" if vllm_tracing else None
+    e = harness.Engine(otlp_traces_endpoint=endpoint)
+    e.add("traced", prompt_len=10, max_tokens=4, trace_headers=tp("01"))
+    e.add("plain", prompt_len=10, max_tokens=4)
+    e.run()
+    assert len(e.outputs["traced"]) == 4
+    assert e.outputs_with_headers == ({"traced": 4} if vllm_tracing else {})
+    root = tracing.journeys()["traced"].span
+    assert root.context.trace_id == int(TRACE, 16) and root.parent.span_id == int(SPAN, 16)

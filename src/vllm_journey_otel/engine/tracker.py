@@ -42,6 +42,7 @@ class SchedulerTracker:
         "head",
         "hook_preempt",
         "in_update",
+        "keep_headers",
         "last_update_ids",
         "last_update_mono_ns",
         "max_loras",
@@ -77,6 +78,14 @@ class SchedulerTracker:
         self.last_update_mono_ns = 0
         self.last_update_ids: Any = ()
         vc = scheduler.vllm_config
+        # vLLM copies a request's trace_headers into every one of its outputs
+        # (Scheduler.update_from_output, 0.30-0.33), serialised here and decoded
+        # in the API server per token, for its own tracing's span alone (read
+        # from the finishing output, OutputProcessor.do_tracing). Without that
+        # tracing nothing reads them: the tracker takes them at admission and
+        # the request carries none after.
+        observability = getattr(vc, "observability_config", None)
+        self.keep_headers = getattr(observability, "otlp_traces_endpoint", None) is not None
         self.spec_decode = getattr(vc, "speculative_config", None) is not None
         # vLLM keeps per-request draft counts itself when asked to
         # (--per-request-spec-decode-metrics): then they are read at transitions
@@ -122,7 +131,10 @@ class SchedulerTracker:
             ):
                 j.wait_ended(_now(), self.step, _WAIT_STREAMING)
             return
-        sampled, root_ids = self.head.decide(request.trace_headers)
+        headers = request.trace_headers
+        if headers is not None and not self.keep_headers:
+            request.trace_headers = None
+        sampled, root_ids = self.head.decide(headers)
         if not sampled and not self.tail.active:
             return  # an unsampled request costs this decision and nothing else
         sp = request.sampling_params
@@ -136,7 +148,7 @@ class SchedulerTracker:
             sp.max_tokens if sp is not None else None,
             request.priority,
             lora.lora_name if lora is not None else None,
-            request.trace_headers,
+            headers,
             sampled,
             self.spec_decode,
             bool(getattr(request, "resumable", False)),
