@@ -583,3 +583,43 @@ def test_a_stop_request_reads_what_is_in_the_pipe_then_ends() -> None:
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_drain_thread_sleeps_while_the_owner_hands_on_and_wakes_when_declined(pipes) -> None:  # type: ignore[no-untyped-def]
+    """The drain thread shares the owner's GIL at nice 19: while the owner's own
+    hand-offs go through it must not wake on a timer (each wake-up makes the
+    owner wait for it on a busy CPU). A declined offer wakes it at once, and it
+    finishes the owner's work while the owner no longer calls."""
+    from vllm_journey_otel.engine.pipeline import PUBLISH_INTERVAL_NS, JourneyPipeline
+
+    r, w = pipes[0]
+    fcntl.fcntl(w, F_SETPIPE_SZ, 4096)
+    wakes: list[int] = []
+    pipeline = JourneyPipeline(PipeSink(w), interval_s=0.005, maintain_s=3600.0)
+    pipeline.watch(lambda now_ns, room: wakes.append(now_ns) or [])
+    reader = threading.Thread(target=lambda: os.read(r, 1 << 16), daemon=True)
+    try:
+        batch = iter(journeys(400))
+        t = time.monotonic_ns()
+        for _ in range(100):  # the owner hands on every interval
+            pipeline.submit(next(batch))
+            t += PUBLISH_INTERVAL_NS
+            pipeline.publish_due(t)
+            os.read(r, 1 << 16)  # the exporter keeps up
+            time.sleep(0.005)
+        assert pipeline.published == 100 and pipeline.queued == 0
+        assert wakes == [], f"the drain thread woke {len(wakes)} times"
+        # The exporter falls behind: the owner's offers are declined.
+        for size in (1024, 1):
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    os.write(w, b"\0" * size)
+        for j in journeys(3, start=1000):
+            pipeline.submit(j)
+        pipeline.publish_due(t + PUBLISH_INTERVAL_NS, force=True)
+        assert pipeline.queued == 3
+        wait_until(lambda: wakes, 10, 0.01, "the drain thread woken by the decline")
+        reader.start()  # room again; the owner has stopped calling
+        wait_until(lambda: pipeline.queued == 0 and pipeline.exported == 3, 10, 0.01, "drained")
+    finally:
+        pipeline.shutdown(2.0)

@@ -10,8 +10,12 @@ is its wall clock (``time.time()``).
 
 Per request, on the event loop: a few clock reads and a small record, no span:
 the finished :class:`~vllm_journey_otel.journey.ApiJourney` goes to this
-process's pipeline, whose drain thread hands it to the exporter process
-(``export/api_spans.py`` builds the spans there). The span's ids are chosen at
+process's pipeline, and the event loop itself hands the pipeline's queue to the
+exporter process (``export/api_spans.py`` builds the spans there): at a request's
+end when the last hand-off is ``PUBLISH_INTERVAL_NS`` old, else from one timer
+that long after. One msgspec encode and one non-blocking write per hand-off; the
+pipeline's drain thread wakes only when the pipe is full (a thread of ours that
+wakes in this process takes the event loop's GIL: ``pipeline.py``). The span's ids are chosen at
 receipt and handed to the engine core in the trace headers, so the engine's
 journeys nest under it without a round trip.
 
@@ -22,6 +26,7 @@ error before it did (a prompt too long: an error span with no engine child).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from contextvars import ContextVar
@@ -30,6 +35,7 @@ from typing import Any
 from opentelemetry import trace as otel_trace
 
 from vllm_journey_otel.engine.handoff import _pipeline_for, pipeline
+from vllm_journey_otel.engine.pipeline import PUBLISH_INTERVAL_NS, JourneyPipeline
 from vllm_journey_otel.engine.request_journey import bounded_trace_headers
 from vllm_journey_otel.engine.sampling import client_trace
 from vllm_journey_otel.engine.state import _STATE, _fail
@@ -49,6 +55,8 @@ _EVENT_STREAM = b"text/event-stream"
 # The request in progress, per asyncio task (tasks copy it: a stream's body
 # task sees the request that started it).
 _CURRENT: ContextVar[ApiRequest | None] = ContextVar("vjo_api_request", default=None)
+# The event loop's pending hand-off timer (at most one).
+_TIMER: list[asyncio.TimerHandle] = []
 # Engine request id -> its API request, until the engine's last output for it
 # reaches this process (OutputProcessor._finish_request, in another task).
 _BY_ENGINE_ID: dict[str, ApiRequest] = {}
@@ -241,6 +249,29 @@ def _finish(req: ApiRequest) -> None:
     target = pipeline()
     if target is not None:
         target.submit(req.record(now_ns))
+        _hand_on(target, now_ns)
+
+
+def _hand_on(target: JourneyPipeline, now_ns: int) -> None:
+    """Event loop: hand the queue to the exporter if the last hand-off is old
+    enough, else once a timer fires (so the last requests of a burst leave
+    within ``PUBLISH_INTERVAL_NS`` too)."""
+    target.publish_due(now_ns)
+    if not target.queued or _TIMER:
+        return
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # no loop here: the drain thread's backstop hands it on
+        return
+    _TIMER.append(loop.call_later(PUBLISH_INTERVAL_NS / 1e9, _publish_now, target))
+
+
+def _publish_now(target: JourneyPipeline) -> None:
+    _TIMER.clear()
+    try:
+        target.publish_due(time.monotonic_ns(), force=True)
+    except Exception:
+        _fail("API-server hand-off")
 
 
 class JourneyMiddleware:

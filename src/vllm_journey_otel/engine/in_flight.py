@@ -31,7 +31,8 @@ from vllm_journey_otel.engine.request_journey import PREEMPTED, QUEUED, RUNNING,
 from vllm_journey_otel.engine.state import _STATE, JOURNEY_ATTR
 from vllm_journey_otel.journey import STATUS_ABORTED, FinishedJourney, InFlight, Snapshot
 
-# The drain thread looks at most this often (it wakes every export interval),
+# The drain thread looks at most this often (it wakes about once a second,
+# pipeline.MAINTAIN_S, and sooner when the engine thread needs it),
 # and takes at most this many snapshots a check (the rest wait for the next).
 CHECK_INTERVAL_S = 1.0
 MAX_PER_CHECK = 256

@@ -1,21 +1,30 @@
-"""Hand-off from the engine thread to a sink, off the engine thread.
+"""Hand-off from the thread that owns the journeys to a sink, off that thread's back.
 
-The engine thread calls :meth:`JourneyPipeline.submit` with a finished journey:
-one length check and one ``deque.append`` (atomic under the GIL), nothing else.
-When the queue is full the journey is dropped and counted, never blocking the
-engine. At the end of a step the engine thread hands the queue to the sink
-itself (``publish_due``: at most every ``PUBLISH_INTERVAL_NS``, only if that
-cannot block). A daemon thread ("vllm-journey-otel") wakes every ``interval``
-as the backstop: it moves the queued journeys, in one batch, to the sink
-(``sinks.py``: an exporter process in ``process`` mode, or span building in this
-process in ``thread`` mode) when the engine thread does not (its offer was
-declined, bytes of a frame are pending, it stopped stepping, or the sink never
-takes offers), and leaves the queue alone otherwise. It runs at nice 19
-(``cpu_yield.lower_priority``: it shares the engine core's GIL).
+The owning thread (the engine thread in an engine core; the event loop in an API
+server) calls :meth:`JourneyPipeline.submit` with a finished journey: one length
+check and one ``deque.append`` (atomic under the GIL), nothing else. When the
+queue is full the journey is dropped and counted, never blocking the owner. The
+owner hands the queue to the sink itself, at a moment it chooses (the end of a
+step; an API request's end, or a timer on the event loop): ``publish_due``, at
+most every ``PUBLISH_INTERVAL_NS``, only if that cannot block.
 
-Process: the engine-core process, created after fork/spawn. Thread-safety:
-``submit`` is called by one thread (the engine thread); draining is serialised by
-a lock so :meth:`flush` may be called from any thread.
+A daemon thread ("vllm-journey-otel") is the backstop. It sleeps until the owner
+needs it (its offer was declined: every exporter pipe is full; or bytes of a
+frame are left pending), and otherwise wakes once every ``MAINTAIN_S`` to notice
+and replace a lost exporter, to take in-flight snapshots, and to drain a queue
+the owner left behind (it stopped stepping). It never wakes on a timer that
+the owner's hand-off makes useless: it runs at nice 19 and shares the process's
+GIL, and on a saturated CPU every wake-up of such a thread makes the owner wait
+for it (CPython hands the GIL to a waiting thread and waits until that thread
+has run, however long the kernel keeps it in the run queue; docs/performance.md,
+"The API server's part"). In ``thread`` mode (span building in this process)
+the sink takes no offers and the thread does all the work, every ``interval``.
+
+Process: an engine-core or API-server process, created after fork/spawn.
+Thread-safety: ``submit`` and ``publish_due`` are called by one thread (the
+owner); draining is serialised by a lock so :meth:`flush` may be called from any
+thread. Clock: ``time.monotonic_ns()`` (the engine's monotonic clock) for the
+owner's calls, ``time.monotonic()`` for deadlines.
 """
 
 from __future__ import annotations
@@ -81,6 +90,10 @@ DRAIN_WRITE_S = 0.2
 PUBLISH_INTERVAL_NS = 25_000_000
 # In-flight snapshots the drain thread hands on per wake-up, at most.
 WATCH_BATCH = 256
+# The drain thread's wake-up while the owner hands on by itself: in-flight
+# snapshots ("about once a second"), a lost exporter's replacement, a queue left
+# behind by an owner that stopped.
+MAINTAIN_S = 1.0
 
 
 class JourneyPipeline:
@@ -93,14 +106,18 @@ class JourneyPipeline:
         interval_s: float = Config.export_interval_ms / 1000.0,
         start_thread: bool = True,
         cpu_priority: str = Config.cpu_priority,
+        maintain_s: float = MAINTAIN_S,
     ) -> None:
         self.sink = sink
+        self._maintain_s = maintain_s
         self._queue: deque[Record] = deque()
         self._max_queue = max_queue
         self._interval_s = interval_s
         self._cpu_priority = cpu_priority
         self._drain_lock = threading.Lock()
-        self._stop = threading.Event()
+        self._stop = False
+        # Set by the owner when it needs the drain thread (or by shutdown).
+        self._wake = threading.Event()
         # Counters. ``dropped`` is written by the engine thread only; the others
         # by whichever thread holds the drain lock.
         self._last_publish_ns = 0
@@ -136,8 +153,9 @@ class JourneyPipeline:
         self._queue.append(journey)
 
     def publish_due(self, now_ns: int, force: bool = False) -> None:
-        """Engine thread, at the end of a step: hand the queue to the sink now,
-        at most once per ``PUBLISH_INTERVAL_NS``, if that cannot block.
+        """The owner (the engine thread at the end of a step; the API server's
+        event loop): hand the queue to the sink now, at most once per
+        ``PUBLISH_INTERVAL_NS``, if that cannot block.
 
         With the exporter pipe this is one msgspec encode and one non-blocking
         write, no thread hand-off (waking a thread costs the engine thread a GIL
@@ -146,8 +164,9 @@ class JourneyPipeline:
         kill of a busy engine core loses at most the last 25 ms. (Every 10 ms
         cost ~0.8 us more per journey on the engine thread, docs/performance.md:
         a frame has a fixed cost, cold, and more journeys share it.) Whatever
-        is declined or left waits for the drain thread. ``force`` skips the
-        interval (the engine is about to idle: no later step would hand these on).
+        is declined or left waits for the drain thread, which this wakes.
+        ``force`` skips the interval (the engine is about to idle, the API
+        server's timer fired: no later call would hand these on soon).
         """
         self._engine_seen_ns = now_ns
         queue = self._queue
@@ -169,9 +188,13 @@ class JourneyPipeline:
         if self.sink.offer(batch, self.dropped + self.failed):
             self.published += len(batch)
             self._declined = False
+            if self.sink.pending:  # the rest of the frame is the drain thread's
+                self._wake.set()
         else:
             queue.extendleft(reversed(batch))
-            self._declined = True
+            if not self._declined:  # once per episode: each set() is a lock round
+                self._declined = True
+                self._wake.set()
 
     # -- drain thread ------------------------------------------------------
     def _run(self) -> None:
@@ -179,7 +202,13 @@ class JourneyPipeline:
         applied = lower_priority(self._cpu_priority, shares_gil=True)
         logger.debug("journey-otel: drain thread at %s", applied)
         failures = 0
-        while not self._stop.wait(self._interval_s):
+        while True:
+            # Every interval only while it has the owner's work to do.
+            busy = not self._offers or self._declined or self.sink.pending
+            self._wake.wait(self._interval_s if busy else self._maintain_s)
+            self._wake.clear()
+            if self._stop:
+                return
             try:
                 self.sink.maintain()  # a lost exporter is noticed and replaced here
                 self._watch()
@@ -277,6 +306,10 @@ class JourneyPipeline:
                     raise
                 self.failed += failed
                 self.exported += n - failed
+            if self._offers and not self.sink.pending:
+                # Caught up: the owner's next offer goes through again (a
+                # decline after this sets it back, and wakes this thread).
+                self._declined = False
             self._report_drops()
         finally:
             self._drain_lock.release()
@@ -308,7 +341,8 @@ class JourneyPipeline:
 
     def shutdown(self, timeout_s: float) -> bool:
         """Stop the thread, drain, and shut the sink down within ``timeout_s``."""
-        self._stop.set()
+        self._stop = True
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=1.0)
         deadline = time.monotonic() + max(0.0, timeout_s)
