@@ -7,7 +7,8 @@ TOKENS tokens (ignore_eos) at once and times them to the last response. Per
 mode it prints wall time and output tokens/s (median, p10, p90), how many
 rounds fell into the slow mode (wall over SLOW_FACTOR x the fastest round of
 the whole run), and the CPU seconds each process used during the load: API
-server, engine core, model worker and (plugin on) the exporter.
+server, engine core, model worker and (plugin on) the exporter processes together
+(the engine core's and the API server's).
 
 It reports the exporter's scheduling policy, nice value and allowed CPUs. With
 ``--threads`` it also prints, per round, each process's busiest threads (time on
@@ -47,6 +48,7 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -99,10 +101,12 @@ def _ppid_comm() -> dict[int, tuple[int, str, str]]:
     return out
 
 
-def roles(server_pid: int) -> dict[str, int]:
-    """API server, engine core, worker and exporter pids of the one server running."""
+def roles(server_pid: int) -> dict[str, Any]:
+    """API server, engine core and worker pids of the one server running, and
+    under "exporters" the pids of every exporter process (the engine core's and
+    each API server's)."""
     procs = _ppid_comm()
-    found = {"api_server": server_pid}
+    found: dict[str, Any] = {"api_server": server_pid, "exporters": []}
     kids = [p for p, (pp, _, _) in procs.items() if pp == server_pid]
     for p in kids:
         if "EngineCore" in procs[p][1] or "EngineCore" in procs[p][2]:
@@ -112,7 +116,7 @@ def roles(server_pid: int) -> dict[str, int]:
         if core is not None and pp == core and "exporter" not in cmd and "Worker" in comm + cmd:
             found["worker"] = p
         if "vllm_journey_otel.export.exporter_process" in cmd:
-            found["exporter"] = p
+            found["exporters"].append(p)
     return found
 
 
@@ -217,7 +221,9 @@ def one_round(mode: str, env: dict[str, str], args: argparse.Namespace, tmp: Pat
         body = {"model": server.model, "max_tokens": args.tokens, "ignore_eos": True}
         http_json(server.url + "/v1/completions", {**body, "prompt": "warm", "max_tokens": 4})
         pids = roles(server.pid)
+        exporters = pids.pop("exporters")
         before = {role: cpu_s(pid) for role, pid in pids.items()}
+        before_exp = sum(cpu_s(pid) for pid in exporters)
         tbefore = {role: threads(pid) for role, pid in pids.items()}
         placement = Placement(pids)
         http = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=args.concurrency))
@@ -245,12 +251,15 @@ def one_round(mode: str, env: dict[str, str], args: argparse.Namespace, tmp: Pat
             "tokens_per_s": round(out / wall, 1),
             "cpu_s": {role: round(cpu_s(pid) - before[role], 2) for role, pid in pids.items()},
         }
+        if exporters:  # every exporter process together: the engine core's and the API server's
+            row["cpu_s"]["exporters"] = round(sum(cpu_s(pid) for pid in exporters) - before_exp, 2)
+            row["exporter_processes"] = len(exporters)
         if args.threads:
             row["engine_on_worker_cpu"] = placement.engine_on_worker_cpu()
             row["threads"] = {r: thread_delta(tbefore[r], tafter[r]) for r in pids}
             row["cpu_hist"] = {f"{k[0]}:{k[1]}": v for k, v in placement.hist.items()}
-        if "exporter" in pids:
-            row["exporter"] = scheduling(pids["exporter"])
+        if exporters:
+            row["exporter"] = scheduling(exporters[0])
         return row
     finally:
         server.stop()
@@ -323,7 +332,7 @@ def main() -> None:
             "slow_rounds": sum(row["wall_s"] > SLOW_FACTOR * fastest for row in mine),
             "cpu_s_median": {
                 role: round(statistics.median(row["cpu_s"].get(role, 0.0) for row in mine), 2)
-                for role in ("api_server", "engine_core", "worker", "exporter")
+                for role in ("api_server", "engine_core", "worker", "exporters")
                 if any(role in row["cpu_s"] for row in mine)
             },
             "engine_on_worker_cpu": quantiles([s for s in share if s is not None]),

@@ -1,0 +1,237 @@
+"""Requests/s of a busy `vllm serve` with short requests: plugin off, off again (A/A), on, on
+with the API-server spans off.
+
+What an operator's own benchmark does: many short requests at high concurrency,
+so the server's request handling (the API server's event loop), not the model,
+is the bottleneck. One server at a time, a fresh one per round, the modes
+rotated each round (none always follows the same one). Each round starts the
+server, waits for /health and one warm-up request, then sends REQUESTS requests
+of TOKENS output tokens (``ignore_eos``), CONCURRENCY at a time on keep-alive
+connections: half streamed chat completions, half non-streamed completions. It
+records requests/s at the client and the CPU time each process of the server
+used per request (API server, engine core, model worker, and, plugin on, every
+exporter process: the engine core's and the API server's), and per mode the
+median and p10/p90 over rounds; ratios to ``off`` are taken within each round
+(the rounds' modes ran minutes apart at most), then their median and spread.
+``off-2`` against ``off`` is the A/A control: its spread is the resolution.
+
+``--threads`` adds, per round, each process's busiest threads: time on a CPU,
+time runnable but waiting for one (schedstat), involuntary switches.
+
+Modes (``--modes``, comma-separated): off, off-2, on (the product's defaults,
+OTLP gRPC to a receiver here), api-off (``VLLM_JOURNEY_OTEL_API_SPANS=0``); with
+``--before SRC``, before (the defaults, the package imported from SRC).
+
+    .venv/bin/python benchmarks/serve_short.py [--rounds 9] [--requests 384]
+        [--concurrency 48] [--tokens 8] [--modes off,off-2,on,api-off] [--threads]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from serve_rounds import cpu_s, quantiles, roles, thread_delta, threads  # noqa: E402
+
+from fixtures.tiny_model import build  # noqa: E402
+from otlp_receiver import Receiver  # noqa: E402
+from services import VllmServer, http_json  # noqa: E402
+
+PROCESSES = ("api_server", "engine_core", "worker", "exporters")
+
+
+def load(server: VllmServer, args: argparse.Namespace) -> float:
+    """Send the round's requests; returns the wall seconds to the last response."""
+    import httpx
+
+    tokens = {"max_tokens": args.tokens, "ignore_eos": True, "model": server.model}
+    http = httpx.Client(timeout=300, limits=httpx.Limits(max_connections=args.concurrency))
+
+    def one(i: int) -> int:
+        if i % 2:
+            body = {**tokens, "prompt": f"short request {i}"}
+            r = http.post(server.url + "/v1/completions", json=body)
+            r.raise_for_status()
+            return int(r.json()["usage"]["completion_tokens"])
+        body = {**tokens, "messages": [{"role": "user", "content": f"short {i}"}],
+                "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+        used = 0
+        with http.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if line.startswith("data: {") and '"usage":{' in line:
+                    used = int(json.loads(line[6:])["usage"]["completion_tokens"])
+        return used
+
+    t0 = time.perf_counter()
+    try:
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            out = sum(pool.map(one, range(args.requests)))
+    finally:
+        http.close()
+    wall = time.perf_counter() - t0
+    assert out == args.requests * args.tokens, (out, args.requests * args.tokens)
+    return wall
+
+
+def one_round(mode: str, env: dict[str, str], args: argparse.Namespace, tmp: Path, n: int):
+    command: list[str] = []
+    if args.pin:  # the server's processes on the rest, the model worker's threads by vLLM
+        worker, rest = args.pin
+        env = {**env, "VLLM_CPU_OMP_THREADS_BIND": worker}
+        command = ["taskset", "-c", rest, str(ROOT / ".venv" / "bin" / "vllm")]
+    server = VllmServer(args.model, tmp / f"{mode}-{n}.log", env, command=command)
+    try:
+        server.wait_ready()
+        warm = {"model": server.model, "prompt": "warm", "max_tokens": 4}
+        http_json(server.url + "/v1/completions", warm)
+        pids = roles(server.pid)
+        exporters = pids.pop("exporters", [])
+        before = {role: cpu_s(pid) for role, pid in pids.items()}
+        before_exp = sum(cpu_s(p) for p in exporters)
+        tbefore = {role: threads(pid) for role, pid in pids.items()}
+        wall = load(server, args)
+        cpu = {role: cpu_s(pid) - before[role] for role, pid in pids.items()}
+        if exporters:
+            cpu["exporters"] = sum(cpu_s(p) for p in exporters) - before_exp
+        row: dict[str, Any] = {
+            "mode": mode,
+            "requests_per_s": round(args.requests / wall, 1),
+            "cpu_us_per_request": {k: round(v / args.requests * 1e6) for k, v in cpu.items()},
+            "exporter_processes": len(exporters),
+        }
+        if args.threads:
+            tafter = {role: threads(pid) for role, pid in pids.items()}
+            row["threads"] = {r: thread_delta(tbefore[r], tafter[r], 4) for r in pids}
+        return row
+    finally:
+        server.stop()
+
+
+def within_round(rows: list[dict[str, Any]], a: str, b: str, key: Any) -> dict[str, float] | None:
+    """Quantiles of key(row of a) / key(row of b), paired by round."""
+    by_round: dict[int, dict[str, float]] = {}
+    for row in rows:
+        value = key(row)
+        if value:
+            by_round.setdefault(row["round"], {})[row["mode"]] = value
+    pairs = [r[a] / r[b] for r in by_round.values() if a in r and b in r]
+    return quantiles(pairs)
+
+
+def report(rows: list[dict[str, Any]], modes: list[str], failed: Counter[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for mode in modes:
+        mine = [row for row in rows if row["mode"] == mode]
+        out[mode] = {
+            "rounds": len(mine),
+            "failed_rounds": failed[mode],
+            "requests_per_s": quantiles([row["requests_per_s"] for row in mine]),
+            "cpu_us_per_request_median": {
+                p: round(statistics.median(row["cpu_us_per_request"].get(p, 0) for row in mine))
+                for p in PROCESSES
+                if any(p in row["cpu_us_per_request"] for row in mine)
+            },
+        }
+    ratios: dict[str, Any] = {}
+    for mode in modes:
+        if mode == "off" or "off" not in modes:
+            continue
+        ratios[f"{mode}/off"] = {
+            "requests_per_s": within_round(rows, mode, "off", lambda r: r["requests_per_s"]),
+            "api_server_cpu_per_request": within_round(
+                rows, mode, "off", lambda r: r["cpu_us_per_request"]["api_server"]
+            ),
+            "engine_core_cpu_per_request": within_round(
+                rows, mode, "off", lambda r: r["cpu_us_per_request"].get("engine_core")
+            ),
+        }
+    out["ratios (within each round; off-2/off is the A/A control)"] = ratios
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--requests", type=int, default=384)
+    p.add_argument("--concurrency", type=int, default=48)
+    p.add_argument("--tokens", type=int, default=8)
+    p.add_argument("--modes", default="off,off-2,on,api-off")
+    p.add_argument("--threads", action="store_true", help="per-thread scheduler figures per round")
+    p.add_argument(
+        "--before",
+        metavar="SRC",
+        help="also run 'before': the defaults with the package from SRC (a checkout's src/ of "
+        "the code to compare against, e.g. from `git worktree add /tmp/before HEAD~3`)",
+    )
+    p.add_argument(
+        "--pin",
+        metavar="WORKER:REST",
+        type=lambda text: tuple(text.split(":", 1)),
+        help="place every round alike: the model worker's threads on CPUs WORKER "
+        "(VLLM_CPU_OMP_THREADS_BIND), the API server, engine core and exporters on CPUs "
+        "REST (taskset), e.g. 0:1; the client is not pinned",
+    )
+    args = p.parse_args()
+    args.model = build(ROOT / ".cache" / "tiny-llama")
+    receiver = Receiver()
+    receiver.start_grpc()
+    from vllm_journey_otel.config import API_SPANS, EXPORT_INTERVAL_MS, Batching, Config
+
+    on = {
+        # The test fixture shortens the export delays; back to the product's defaults.
+        EXPORT_INTERVAL_MS: str(Config().export_interval_ms),
+        "OTEL_BSP_SCHEDULE_DELAY": str(int(Batching().delay_ms)),
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{receiver.grpc_port}",
+    }
+    catalogue = {
+        "off": {"VLLM_JOURNEY_OTEL": "0"},
+        "off-2": {"VLLM_JOURNEY_OTEL": "0"},
+        "on": on,
+        "api-off": {**on, API_SPANS: "0"},
+    }
+    modes = args.modes.split(",")
+    if args.before:  # PYTHONPATH comes before the editable install's path entry
+        catalogue["before"] = {**on, "PYTHONPATH": str(Path(args.before).resolve())}
+        modes.append("before")
+    unknown = [m for m in modes if m not in catalogue]
+    if unknown:
+        p.error(f"unknown mode(s) {unknown}; known: {sorted(catalogue)}")
+    tmp = Path(tempfile.mkdtemp(prefix="serve-short-"))
+    rows: list[dict[str, Any]] = []
+    failed: Counter[str] = Counter()
+    try:
+        for r in range(args.rounds):
+            for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
+                try:
+                    row = one_round(mode, catalogue[mode], args, tmp, r)
+                except Exception as exc:  # a failed round is counted, not averaged
+                    failed[mode] += 1
+                    print(f"round {r} {mode}: failed: {exc!r}", file=sys.stderr, flush=True)
+                    continue
+                row["round"] = r
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)
+    finally:
+        receiver.stop()
+    if not rows:
+        raise SystemExit(f"every round failed: {dict(failed)} (see the messages above)")
+    print(json.dumps({"rounds": args.rounds, "requests": args.requests,
+                      "concurrency": args.concurrency, "tokens": args.tokens,
+                      **report(rows, modes, failed)}, indent=2))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
