@@ -623,3 +623,21 @@ def test_drain_thread_sleeps_while_the_owner_hands_on_and_wakes_when_declined(pi
         wait_until(lambda: pipeline.queued == 0 and pipeline.exported == 3, 10, 0.01, "drained")
     finally:
         pipeline.shutdown(2.0)
+
+
+def test_the_drain_thread_is_named_where_the_os_shows_threads(pipes) -> None:  # type: ignore[no-untyped-def]
+    """top -H, ps -L and py-spy show which thread of a vLLM process is ours."""
+    from vllm_journey_otel.engine.pipeline import DRAIN_THREAD_COMM, JourneyPipeline
+
+    pipeline = JourneyPipeline(PipeSink(pipes[0][1]))
+    try:
+
+        def named() -> bool:
+            thread = pipeline._thread
+            assert thread is not None and thread.native_id is not None
+            with open(f"/proc/self/task/{thread.native_id}/comm") as f:
+                return f.read().strip() == DRAIN_THREAD_COMM
+
+        wait_until(named, 10, 0.01, "the drain thread's OS name")
+    finally:
+        pipeline.shutdown(1.0)

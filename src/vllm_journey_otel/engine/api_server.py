@@ -55,8 +55,8 @@ _EVENT_STREAM = b"text/event-stream"
 # The request in progress, per asyncio task (tasks copy it: a stream's body
 # task sees the request that started it).
 _CURRENT: ContextVar[ApiRequest | None] = ContextVar("vjo_api_request", default=None)
-# The event loop's pending hand-off timer (at most one).
-_TIMER: list[asyncio.TimerHandle] = []
+# The pending hand-off timer (at most one) and the loop it is on.
+_TIMER: list[tuple[asyncio.AbstractEventLoop, asyncio.TimerHandle]] = []
 # Engine request id -> its API request, until the engine's last output for it
 # reaches this process (OutputProcessor._finish_request, in another task).
 _BY_ENGINE_ID: dict[str, ApiRequest] = {}
@@ -257,13 +257,15 @@ def _hand_on(target: JourneyPipeline, now_ns: int) -> None:
     enough, else once a timer fires (so the last requests of a burst leave
     within ``PUBLISH_INTERVAL_NS`` too)."""
     target.publish_due(now_ns)
-    if not target.queued or _TIMER:
+    if not target.queued:
         return
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:  # no loop here: the drain thread's backstop hands it on
         return
-    _TIMER.append(loop.call_later(PUBLISH_INTERVAL_NS / 1e9, _publish_now, target))
+    if _TIMER and _TIMER[0][0] is loop:
+        return  # one is pending (a timer of a loop that has closed never fires)
+    _TIMER[:] = [(loop, loop.call_later(PUBLISH_INTERVAL_NS / 1e9, _publish_now, target))]
 
 
 def _publish_now(target: JourneyPipeline) -> None:

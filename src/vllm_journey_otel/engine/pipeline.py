@@ -96,6 +96,20 @@ WATCH_BATCH = 256
 MAINTAIN_S = 1.0
 
 
+# The drain thread's name where the OS shows threads (top -H, ps -L, /proc's
+# comm, py-spy): which thread of a vLLM process is ours.
+DRAIN_THREAD_COMM = "journey-drain"
+
+
+def _name_os_thread(name: str) -> None:
+    """Linux: the calling thread's comm (15 bytes at most). Never raises."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
+            f.write(name[:15])
+    except OSError:
+        pass
+
+
 class JourneyPipeline:
     """Bounded queue of finished journeys plus the thread that drains it into a sink."""
 
@@ -198,6 +212,7 @@ class JourneyPipeline:
 
     # -- drain thread ------------------------------------------------------
     def _run(self) -> None:
+        _name_os_thread(DRAIN_THREAD_COMM)
         # The drain thread yields to vLLM's (cpu_yield.py: nice 19, vLLM's CPUs).
         applied = lower_priority(self._cpu_priority, shares_gil=True)
         logger.debug("journey-otel: drain thread at %s", applied)
