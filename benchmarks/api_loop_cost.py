@@ -8,16 +8,17 @@ each calling our hooks as vLLM's AsyncLLM and OutputProcessor wrappers do
 
 * off: no middleware (API-server spans off);
 * off-2: the same again, the A/A control;
-* on: our middleware, records handed to this process's pipeline, whose drain
-  thread writes them to a real exporter process (OTEL_TRACES_EXPORTER=none).
+* on: our middleware, records handed to this process's pipeline, which the
+  event loop writes to a real exporter process itself (OTEL_TRACES_EXPORTER=none).
 
 Blocks of REQUESTS requests per app, rotating, ROUNDS times. Printed: CPU
 microseconds per request of the event-loop thread (``time.thread_time``) and of
 the whole process (the drain thread included: it shares the GIL), median over
 the blocks, and the differences on - off and off-2 - off (the resolution).
 Compare them with the API server's own CPU per request under `vllm serve`
-(``benchmarks/api_server_bench.py``: about 1.3 ms per one-token completion on
-this machine) for the share.
+(``benchmarks/serve_short.py``: about 2 ms per 8-token request on this machine)
+for the share. What this cannot show is what a thread of ours costs the loop
+when it takes the GIL on a saturated CPU: ``benchmarks/gil_wake_cost.py``.
 
     .venv/bin/python benchmarks/api_loop_cost.py [ROUNDS] [REQUESTS] [CHUNKS]
 """

@@ -7,11 +7,12 @@ own cost is measured on an empty function and subtracted. The wrappers' dispatch
 (one extra Python frame per hooked call) is measured the same way: a wrapped
 no-op against the bare no-op.
 
-    .venv/bin/python benchmarks/hook_cost.py [RUNNING] [STEPS] [step-view]
+    .venv/bin/python benchmarks/hook_cost.py [RUNNING] [STEPS] [step-view] [traceparent]
 
 ``step-view`` turns the engine step view on (every step recorded): its cost is
 in ``after_schedule`` (``_step_begin``, the walk over the batch) and
-``after_update`` (the step record handed to the exporter).
+``after_update`` (the step record handed to the exporter). ``traceparent``: every
+request carries the trace headers the API-server spans give it (the default path).
 """
 
 from __future__ import annotations
@@ -102,11 +103,12 @@ def wrapper_dispatch_ns(n: int = 200_000) -> float:
 def main() -> None:
     running = int(sys.argv[1]) if len(sys.argv) > 1 else 256
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 600
-    step_view = len(sys.argv) > 3 and sys.argv[3] == "step-view"
+    step_view = "step-view" in sys.argv[3:]
+    traceparent = "traceparent" in sys.argv[3:]
     hooks.install(Config(enabled=True, steps=step_view))
     for name in METHODS:
         setattr(hooks.SchedulerTracker, name, timed(name, getattr(hooks.SchedulerTracker, name)))
-    d = sb.Driver("on", running, 3)
+    d = sb.Driver("on", running, 3, "01" if traceparent else None)
     for _ in range(60):
         d.step()
     for name in METHODS:
@@ -125,6 +127,7 @@ def main() -> None:
     result = {
         "running": running,
         "step_view": step_view,
+        "traceparent": traceparent,
         "steps": d.steps,
         "journeys_finished": d.finished,
         "preemptions": d.preemptions,

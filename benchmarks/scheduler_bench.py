@@ -24,7 +24,11 @@ building the fabricated model output is not. Churn: requests finish every step
 sized for about 90 % of the peak so some requests are preempted.
 
     .venv/bin/python benchmarks/scheduler_bench.py [--sizes 64,256,1024] [--blocks 12]
-        [--step-view]
+        [--step-view] [--traceparent]
+
+``--traceparent``: every request carries the trace headers the API-server spans
+give it (on by default in the product): sampled for ``off``/``on``, not sampled
+for the ``ratio0`` engines (the API server's head decision is in its flags).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ import harness
 from vllm_journey_otel.config import Config
 from vllm_journey_otel.engine import hooks
 from vllm_journey_otel.engine.sampling import HeadSampler, TailRule
+from vllm_journey_otel.journey import API_PARENT_KEY
 
 PROMPT = 64
 
@@ -56,10 +61,13 @@ PROMPT = 64
 class Driver:
     """One engine with its own churn and its own step timings."""
 
-    def __init__(self, name: str, n: int, seed: int) -> None:
+    def __init__(self, name: str, n: int, seed: int, flags: str | None = None) -> None:
         self.name = name
         self.n = n
         self.rng = random.Random(seed)
+        # Every request with the trace headers the API-server spans give it
+        # (its span's traceparent, FLAGS the API server's sampling decision).
+        self.flags = flags
         blocks_per_req = (PROMPT + 160) // harness.BLOCK_SIZE + 1
         self.engine = harness.Engine(
             max_num_seqs=n,
@@ -79,7 +87,13 @@ class Driver:
             rid = f"{self.name}-{self.next_id}"
             self.next_id += 1
             prompt = [self.rng.randint(10, 1000) for _ in range(PROMPT)]
-            self.engine.add(rid, prompt=prompt, max_tokens=self.rng.randint(32, 160))
+            headers = None
+            if self.flags is not None:
+                ids = f"{self.rng.getrandbits(128):032x}-{self.rng.getrandbits(64):016x}"
+                headers = {"traceparent": f"00-{ids}-{self.flags}", API_PARENT_KEY: "1"}
+            self.engine.add(
+                rid, prompt=prompt, max_tokens=self.rng.randint(32, 160), trace_headers=headers
+            )
             self.engine.requests.pop(rid, None)  # keep the harness from holding requests
 
     def step(self) -> None:
@@ -106,26 +120,33 @@ class Driver:
 
 
 def run(
-    n: int, blocks: int, steps_per_block: int, warmup: int, step_view: bool = False
+    n: int,
+    blocks: int,
+    steps_per_block: int,
+    warmup: int,
+    step_view: bool = False,
+    traceparent: bool = False,
 ) -> dict[str, object]:
     on_cfg = Config(enabled=True)
+    # The API server's decision in each request's flags: sampled, or (ratio 0) not.
+    yes, no = ("01", "00") if traceparent else (None, None)
     # Build each engine in its mode (the tracker is attached at construction and
     # keeps the sampler it was built with).
     hooks.unwrap()
-    off = Driver("off", n, 1)
-    off2 = Driver("off2", n, 1)
+    off = Driver("off", n, 1, yes)
+    off2 = Driver("off2", n, 1, yes)
     hooks.install(on_cfg, head=HeadSampler(parent_based=True, ratio=0.0))
-    ratio0 = Driver("ratio0", n, 1)
+    ratio0 = Driver("ratio0", n, 1, no)
     no_tail = TailRule(preempted=False, error=False, aborted=False)
     hooks.install(on_cfg, head=HeadSampler(parent_based=True, ratio=0.0), tail=no_tail)
-    ratio0_notail = Driver("ratio0_notail", n, 1)
+    ratio0_notail = Driver("ratio0_notail", n, 1, no)
     hooks.install(on_cfg, head=HeadSampler(), tail=TailRule())
-    on = Driver("on", n, 1)
+    on = Driver("on", n, 1, yes)
     drivers = [off, off2, on, ratio0, ratio0_notail]
     unwrapped = (off, off2)
     if step_view:
         hooks.install(Config(enabled=True, steps=True), head=HeadSampler())
-        drivers.append(Driver("steps", n, 1))  # its tracker keeps the step view on
+        drivers.append(Driver("steps", n, 1, yes))  # its tracker keeps the step view on
     for d in drivers:
         if d in unwrapped:
             hooks.unwrap()
@@ -166,6 +187,7 @@ def run(
 
     return {
         "running": n,
+        "traceparent": traceparent,
         "steps_per_mode": on.steps,
         "step_ms_median": {d.name: round(statistics.median(d.times) * 1e3, 3) for d in drivers},
         "ratio_vs_off": {d.name: ratio_stats(d.name) for d in drivers if d is not off},
@@ -182,10 +204,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40, help="steps per block")
     ap.add_argument("--warmup", type=int, default=60)
     ap.add_argument("--step-view", action="store_true", help="add the step-view engine")
+    ap.add_argument(
+        "--traceparent",
+        action="store_true",
+        help="every request carries a traceparent, as under the API-server spans (the default)",
+    )
     args = ap.parse_args()
     results = []
     for n in (int(x) for x in args.sizes.split(",")):
-        r = run(n, args.blocks, args.steps, args.warmup, args.step_view)
+        r = run(n, args.blocks, args.steps, args.warmup, args.step_view, args.traceparent)
         print(json.dumps(r), flush=True)
         results.append(r)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -5,9 +5,14 @@ What an operator's own benchmark does: many short requests at high concurrency,
 so the server's request handling (the API server's event loop), not the model,
 is the bottleneck. One server at a time, a fresh one per round, the modes
 rotated each round (none always follows the same one). Each round starts the
-server, waits for /health and one warm-up request, then sends REQUESTS requests
-of TOKENS output tokens (``ignore_eos``), CONCURRENCY at a time on keep-alive
-connections: half streamed chat completions, half non-streamed completions. It
+server, waits for /health and one request of each kind (their lengths checked),
+then keeps CONCURRENCY requests of TOKENS output tokens (``ignore_eos``) in
+flight on keep-alive connections, half streamed chat completions, half
+non-streamed completions: with ``wrk`` (Debian's package: one C thread, so the
+client takes little of the server's CPUs; ``benchmarks/wrk/short_requests.lua``)
+for SECONDS, or with a Python client (``--client python``: httpx threads,
+REQUESTS requests; its own CPU competes with the server's and widens the
+spread). It
 records requests/s at the client and the CPU time each process of the server
 used per request (API server, engine core, model worker, and, plugin on, every
 exporter process: the engine core's and the API server's), and per mode the
@@ -22,15 +27,18 @@ Modes (``--modes``, comma-separated): off, off-2, on (the product's defaults,
 OTLP gRPC to a receiver here), api-off (``VLLM_JOURNEY_OTEL_API_SPANS=0``); with
 ``--before SRC``, before (the defaults, the package imported from SRC).
 
-    .venv/bin/python benchmarks/serve_short.py [--rounds 9] [--requests 384]
-        [--concurrency 48] [--tokens 8] [--modes off,off-2,on,api-off] [--threads]
+    .venv/bin/python benchmarks/serve_short.py [--rounds 9] [--client wrk] [--seconds 8]
+        [--requests 384] [--concurrency 48] [--tokens 8] [--modes off,off-2,on,api-off]
+        [--threads] [--pin 0:1] [--before SRC]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,11 +51,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from serve_rounds import cpu_s, quantiles, roles, thread_delta, threads  # noqa: E402
+from serve_rounds import SLOW_FACTOR, cpu_s, quantiles, roles, thread_delta, threads  # noqa: E402
 
 from fixtures.tiny_model import build  # noqa: E402
 from otlp_receiver import Receiver  # noqa: E402
-from services import VllmServer, http_json  # noqa: E402
+from services import VllmServer  # noqa: E402
 
 PROCESSES = ("api_server", "engine_core", "worker", "exporters")
 
@@ -86,6 +94,20 @@ def load(server: VllmServer, args: argparse.Namespace) -> float:
     return wall
 
 
+def load_wrk(server: VllmServer, args: argparse.Namespace) -> tuple[int, float]:
+    """wrk (C, one thread: a client that takes little CPU from the server's two)
+    for ``args.seconds``; returns the requests completed and the seconds."""
+    script = ROOT / "benchmarks" / "wrk" / "short_requests.lua"
+    argv = ["wrk", "-t1", f"-c{args.concurrency}", f"-d{args.seconds}s", "--timeout", "60s",
+            "-s", str(script), server.url, "--", server.model, str(args.tokens)]  # fmt: skip
+    out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    summary = json.loads(out.strip().splitlines()[-1])
+    bad = {k: v for k, v in summary.items() if k.endswith(("errors", "timeouts", "2xx")) and v}
+    if bad:
+        raise RuntimeError(f"wrk: {bad}")
+    return int(summary["requests"]), summary["duration_us"] / 1e6
+
+
 def one_round(mode: str, env: dict[str, str], args: argparse.Namespace, tmp: Path, n: int):
     command: list[str] = []
     if args.pin:  # the server's processes on the rest, the model worker's threads by vLLM
@@ -95,21 +117,26 @@ def one_round(mode: str, env: dict[str, str], args: argparse.Namespace, tmp: Pat
     server = VllmServer(args.model, tmp / f"{mode}-{n}.log", env, command=command)
     try:
         server.wait_ready()
-        warm = {"model": server.model, "prompt": "warm", "max_tokens": 4}
-        http_json(server.url + "/v1/completions", warm)
+        # One of each kind through a real client first: the lengths the load asks for.
+        one = argparse.Namespace(**{**vars(args), "requests": 2, "concurrency": 2})
+        load(server, one)
         pids = roles(server.pid)
         exporters = pids.pop("exporters", [])
         before = {role: cpu_s(pid) for role, pid in pids.items()}
         before_exp = sum(cpu_s(p) for p in exporters)
         tbefore = {role: threads(pid) for role, pid in pids.items()}
-        wall = load(server, args)
+        if args.client == "wrk":
+            done, wall = load_wrk(server, args)
+        else:
+            done, wall = args.requests, load(server, args)
         cpu = {role: cpu_s(pid) - before[role] for role, pid in pids.items()}
         if exporters:
             cpu["exporters"] = sum(cpu_s(p) for p in exporters) - before_exp
         row: dict[str, Any] = {
             "mode": mode,
-            "requests_per_s": round(args.requests / wall, 1),
-            "cpu_us_per_request": {k: round(v / args.requests * 1e6) for k, v in cpu.items()},
+            "requests": done,
+            "requests_per_s": round(done / wall, 1),
+            "cpu_us_per_request": {k: round(v / done * 1e6) for k, v in cpu.items()},
             "exporter_processes": len(exporters),
         }
         if args.threads:
@@ -131,19 +158,33 @@ def within_round(rows: list[dict[str, Any]], a: str, b: str, key: Any) -> dict[s
     return quantiles(pairs)
 
 
+def _cpu_medians(rows: list[dict[str, Any]]) -> dict[str, int] | None:
+    if not rows:
+        return None
+    return {
+        p: round(statistics.median(row["cpu_us_per_request"].get(p, 0) for row in rows))
+        for p in PROCESSES
+        if any(p in row["cpu_us_per_request"] for row in rows)
+    }
+
+
 def report(rows: list[dict[str, Any]], modes: list[str], failed: Counter[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+    fastest = max(row["requests_per_s"] for row in rows)
+    out: dict[str, Any] = {
+        "slow_round": f"requests/s < the fastest round's / {SLOW_FACTOR} ({fastest:.0f} / "
+        f"{SLOW_FACTOR}): a server that started in vLLM's slow mode, whichever mode it runs"
+    }
     for mode in modes:
         mine = [row for row in rows if row["mode"] == mode]
+        fast = [row for row in mine if row["requests_per_s"] * SLOW_FACTOR >= fastest]
         out[mode] = {
             "rounds": len(mine),
             "failed_rounds": failed[mode],
+            "slow_rounds": len(mine) - len(fast),
             "requests_per_s": quantiles([row["requests_per_s"] for row in mine]),
-            "cpu_us_per_request_median": {
-                p: round(statistics.median(row["cpu_us_per_request"].get(p, 0) for row in mine))
-                for p in PROCESSES
-                if any(p in row["cpu_us_per_request"] for row in mine)
-            },
+            "cpu_us_per_request_median": _cpu_medians(mine),
+            "requests_per_s_fast_rounds": quantiles([row["requests_per_s"] for row in fast]),
+            "cpu_us_per_request_median_fast_rounds": _cpu_medians(fast),
         }
     ratios: dict[str, Any] = {}
     for mode in modes:
@@ -168,6 +209,14 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=384)
     p.add_argument("--concurrency", type=int, default=48)
     p.add_argument("--tokens", type=int, default=8)
+    p.add_argument(
+        "--client",
+        choices=("wrk", "python"),
+        default="wrk" if shutil.which("wrk") else "python",
+        help="wrk (Debian's wrk: one C thread, for --seconds) or python (httpx threads, "
+        "--requests requests; its own CPU use competes with the server's)",
+    )
+    p.add_argument("--seconds", type=int, default=8, help="wrk: the load's duration")
     p.add_argument("--modes", default="off,off-2,on,api-off")
     p.add_argument("--threads", action="store_true", help="per-thread scheduler figures per round")
     p.add_argument(
