@@ -9,7 +9,7 @@ engine thread) for as long as the kernel keeps the thread waiting.
 
 This process and COMPETITORS busy processes (nice 0, each spinning in pure
 Python) are pinned to one CPU: a saturated CPU, as on a busy server. The main
-thread is the owner: it runs UNITS units of pure-Python work (about 50 µs of
+thread is the owner: it runs UNITS units of pure-Python work (about 16 µs of
 CPU each) and calls the pipeline's ``publish_due`` after each, as the engine
 thread and the event loop do. Its wall time per unit and its CPU time per
 unit are recorded. Modes, in rotating blocks in one run:
@@ -22,7 +22,7 @@ unit are recorded. Modes, in rotating blocks in one run:
 * on-demand: the same pipeline with the default (wakes once a second, or when
   the owner's offer is declined).
 
-    .venv/bin/python benchmarks/gil_wake_cost.py [--blocks 12] [--units 4000] [--competitors 1]
+    .venv/bin/python benchmarks/gil_wake_cost.py [--blocks 12] [--units 60000] [--competitors 1]
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ def block(mode: str, units: int) -> tuple[float, float]:
     r = w = -1
     if mode in ("wake-50ms", "on-demand"):
         r, w = os.pipe()
-        threading.Thread(target=drain_reader, args=(r,), daemon=True).start()
+        reader = threading.Thread(target=drain_reader, args=(r,), daemon=True)
+        reader.start()
         kw: dict[str, Any] = {"maintain_s": 0.05} if mode == "wake-50ms" else {}
         pipeline = JourneyPipeline(PipeSink(w), **kw)
     finished = iter(journeys(units // 50 + 1))
@@ -83,7 +84,8 @@ def block(mode: str, units: int) -> tuple[float, float]:
             pipeline.publish_due(time.monotonic_ns())  # hands on every PUBLISH_INTERVAL_NS
     wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
     if pipeline is not None:
-        pipeline.shutdown(1.0)
+        pipeline.shutdown(1.0)  # closes the write end: the reader sees end-of-file
+        reader.join(5.0)
         os.close(r)
     return wall / units * 1e6, cpu / units * 1e6
 
@@ -91,7 +93,7 @@ def block(mode: str, units: int) -> tuple[float, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--blocks", type=int, default=12)
-    p.add_argument("--units", type=int, default=4000)
+    p.add_argument("--units", type=int, default=60000, help="about 2 s of work a block")
     p.add_argument("--competitors", type=int, default=1)
     p.add_argument("--cpu", type=int, default=max(os.sched_getaffinity(0)))
     args = p.parse_args()

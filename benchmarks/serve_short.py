@@ -12,7 +12,8 @@ non-streamed completions: with ``wrk`` (Debian's package: one C thread, so the
 client takes little of the server's CPUs; ``benchmarks/wrk/short_requests.lua``)
 for SECONDS, or with a Python client (``--client python``: httpx threads,
 REQUESTS requests; its own CPU competes with the server's and widens the
-spread). It
+spread). A round ends when the server and its exporter processes (detached:
+they outlive it) have exited; one uncounted warm-up round comes first. It
 records requests/s at the client and the CPU time each process of the server
 used per request (API server, engine core, model worker, and, plugin on, every
 exporter process: the engine core's and the API server's), and per mode the
@@ -55,7 +56,7 @@ from serve_rounds import SLOW_FACTOR, cpu_s, quantiles, roles, thread_delta, thr
 
 from fixtures.tiny_model import build  # noqa: E402
 from otlp_receiver import Receiver  # noqa: E402
-from services import VllmServer  # noqa: E402
+from services import VllmServer, wait_until  # noqa: E402
 
 PROCESSES = ("api_server", "engine_core", "worker", "exporters")
 
@@ -115,6 +116,7 @@ def one_round(mode: str, env: dict[str, str], args: argparse.Namespace, tmp: Pat
         env = {**env, "VLLM_CPU_OMP_THREADS_BIND": worker}
         command = ["taskset", "-c", rest, str(ROOT / ".venv" / "bin" / "vllm")]
     server = VllmServer(args.model, tmp / f"{mode}-{n}.log", env, command=command)
+    exporters: list[int] = []
     try:
         server.wait_ready()
         # One of each kind through a real client first: the lengths the load asks for.
@@ -142,9 +144,36 @@ def one_round(mode: str, env: dict[str, str], args: argparse.Namespace, tmp: Pat
         if args.threads:
             tafter = {role: threads(pid) for role, pid in pids.items()}
             row["threads"] = {r: thread_delta(tbefore[r], tafter[r], 4) for r in pids}
+            # Ours: the threads at nice 19 (the drain thread; vLLM runs none there).
+            row["our_threads"] = {
+                r: [
+                    t
+                    for t in thread_delta(tbefore[r], tafter[r], 1000)
+                    if _nice(pid, t["tid"]) == 19
+                ]
+                for r, pid in pids.items()
+            }
         return row
     finally:
         server.stop()
+        settle(exporters)
+
+
+def _nice(pid: int, tid: object) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2 :].split()[16])  # field 19: nice
+
+
+def settle(exporters: list[int]) -> None:
+    """Until the round's exporter processes have exited (they are detached and
+    outlive the server to export what they hold): the next round's server must
+    not share the CPUs with them."""
+    import psutil
+
+    wait_until(lambda: not any(psutil.pid_exists(p) for p in exporters), 60, 0.1, "exporters")
 
 
 def within_round(rows: list[dict[str, Any]], a: str, b: str, key: Any) -> dict[str, float] | None:
@@ -262,6 +291,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     failed: Counter[str] = Counter()
     try:
+        one_round(modes[0], catalogue[modes[0]], args, tmp, -1)  # warm-up, not counted
         for r in range(args.rounds):
             for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
                 try:

@@ -15,9 +15,9 @@ exporter process (``export/api_spans.py`` builds the spans there): at a request'
 end when the last hand-off is ``PUBLISH_INTERVAL_NS`` old, else from one timer
 that long after. One msgspec encode and one non-blocking write per hand-off; the
 pipeline's drain thread wakes only when the pipe is full (a thread of ours that
-wakes in this process takes the event loop's GIL: ``pipeline.py``). The span's ids are chosen at
-receipt and handed to the engine core in the trace headers, so the engine's
-journeys nest under it without a round trip.
+wakes in this process takes the event loop's GIL: ``pipeline.py``). The span's
+ids are chosen at receipt and handed to the engine core in the trace headers,
+so the engine's journeys nest under it without a round trip.
 
 Which requests get a span: every one that reached the engine (an
 ``AsyncLLM.add_request`` ran in its task), and every POST turned away with an

@@ -17,7 +17,7 @@ the owner's hand-off makes useless: it runs at nice 19 and shares the process's
 GIL, and on a saturated CPU every wake-up of such a thread makes the owner wait
 for it (CPython hands the GIL to a waiting thread and waits until that thread
 has run, however long the kernel keeps it in the run queue; docs/performance.md,
-"The API server's part"). In ``thread`` mode (span building in this process)
+"Free by default"). In ``thread`` mode (span building in this process)
 the sink takes no offers and the thread does all the work, every ``interval``.
 
 Process: an engine-core or API-server process, created after fork/spawn.

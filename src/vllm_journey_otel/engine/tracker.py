@@ -78,14 +78,11 @@ class SchedulerTracker:
         self.last_update_mono_ns = 0
         self.last_update_ids: Any = ()
         vc = scheduler.vllm_config
-        # vLLM copies a request's trace_headers into every one of its outputs
-        # (Scheduler.update_from_output, 0.30-0.33), serialised here and decoded
-        # in the API server per token, for its own tracing's span alone (read
-        # from the finishing output, OutputProcessor.do_tracing). Without that
-        # tracing nothing reads them: the tracker takes them at admission and
-        # the request carries none after.
-        observability = getattr(vc, "observability_config", None)
-        self.keep_headers = getattr(observability, "otlp_traces_endpoint", None) is not None
+        # vLLM copies trace_headers into every output (update_from_output, 0.30-0.33:
+        # encoded here, decoded in the API server, per token) for its own tracing
+        # alone (do_tracing): without it they are taken at admission, then cleared.
+        obs = getattr(vc, "observability_config", None)
+        self.keep_headers = getattr(obs, "otlp_traces_endpoint", None) is not None
         self.spec_decode = getattr(vc, "speculative_config", None) is not None
         # vLLM keeps per-request draft counts itself when asked to
         # (--per-request-spec-decode-metrics): then they are read at transitions
