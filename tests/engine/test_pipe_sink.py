@@ -439,9 +439,10 @@ def test_flush_keeps_its_deadline_while_the_drain_thread_writes(pipes) -> None: 
 
 
 def test_drain_thread_is_a_backstop_in_action_and_survives_errors(pipes) -> None:  # type: ignore[no-untyped-def]
-    """Once the engine stops stepping the drain thread (every 10 ms here) takes
-    what is queued. An error in a drain is logged, its journeys counted as
-    failed, and the thread goes on."""
+    """Once the engine stops stepping the drain thread (within its once-a-second
+    wake-up; every 10 ms while the sink has trouble) takes what is queued. An
+    error in a drain is logged, its journeys counted as failed, and the thread
+    goes on."""
     from vllm_journey_otel.engine.pipeline import JourneyPipeline
 
     r, w = pipes[0]
@@ -641,3 +642,73 @@ def test_the_drain_thread_is_named_where_the_os_shows_threads(pipes) -> None:  #
         wait_until(named, 10, 0.01, "the drain thread's OS name")
     finally:
         pipeline.shutdown(1.0)
+
+
+def test_an_offer_declined_while_the_drain_thread_writes_wakes_it_again(pipes) -> None:  # type: ignore[no-untyped-def]
+    """The owner's offer is declined while the drain thread holds the sink (it
+    is writing the previous batch): that batch must not wait for the next
+    maintenance wake-up (an hour here), the drain thread takes it next."""
+    from vllm_journey_otel.engine.pipeline import PUBLISH_INTERVAL_NS, JourneyPipeline
+
+    sink = PipeSink(pipes[0][1])
+    pipeline = JourneyPipeline(sink, interval_s=0.005, maintain_s=3600.0)
+    first, second = journeys(2)
+    t = time.monotonic_ns()
+    try:
+        with sink._lock:  # the sink busy: every offer is declined
+            pipeline.submit(first)
+            pipeline.publish_due(t, force=True)  # declined: wakes the drain thread
+            # ...which takes the queue and waits for the sink's lock.
+            wait_until(lambda: pipeline.queued == 0, 10, 0.005, "the drain thread's pop")
+            pipeline.submit(second)
+            pipeline.publish_due(t + PUBLISH_INTERVAL_NS, force=True)  # declined again
+            assert pipeline.queued == 1
+        wait_until(lambda: pipeline.exported == 2, 10, 0.005, "both journeys handed on")
+    finally:
+        pipeline.shutdown(2.0)
+    assert ids(read_all(pipes[0][0])) == ["req-0", "req-1"]
+
+
+def test_the_engines_last_step_before_idling_hands_on_with_a_session_waiting(pipes) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's busy loop idles while a streaming-input session waits for its next
+    input (the request stays in the scheduler's table): the journeys the last
+    step finished are handed on by that step, not left for the drain thread's
+    next wake-up (an hour here). A real Scheduler."""
+    from conftest import import_harness
+    from vllm_journey_otel.config import Config
+    from vllm_journey_otel.engine import hooks
+    from vllm_journey_otel.engine.pipeline import JourneyPipeline
+    from vllm_journey_otel.engine.state import _STATE
+
+    harness = import_harness()
+    r, w = pipes[0]
+    assert hooks.install(Config(enabled=True))
+    pipeline = JourneyPipeline(PipeSink(w), maintain_s=3600.0)
+    with _STATE.lock:
+        _STATE.pipeline, _STATE.pipeline_pid = pipeline, os.getpid()
+    try:
+        e = harness.Engine()
+        s = e.add("s", prompt_len=20, max_tokens=2, resumable=True)
+        e.add("a", prompt_len=10, max_tokens=2)
+        e.add("b", prompt_len=10, max_tokens=3)
+        waiting = harness.RequestStatus.WAITING_FOR_STREAMING_REQ
+        for _ in range(20):
+            if "b" not in e.scheduler.requests and s.status == waiting:
+                break
+            e.step()
+        assert "b" not in e.scheduler.requests and "s" in e.scheduler.requests
+        assert not e.scheduler.has_unfinished_requests()  # vLLM's loop idles now
+        assert pipeline.queued == 0 and pipeline.published == 2
+        assert sorted(ids(read_all_now(r))) == ["a", "b"]
+    finally:
+        hooks.uninstall()
+
+
+def read_all_now(fd: int) -> list:  # type: ignore[type-arg]
+    """The frames in the pipe so far (its writer stays open)."""
+    os.set_blocking(fd, False)
+    data = b""
+    with contextlib.suppress(BlockingIOError):
+        while chunk := os.read(fd, 1 << 20):
+            data += chunk
+    return list(read_frames(io.BytesIO(data)))

@@ -14,8 +14,9 @@ process's pipeline, and the event loop itself hands the pipeline's queue to the
 exporter process (``export/api_spans.py`` builds the spans there): at a request's
 end when the last hand-off is ``PUBLISH_INTERVAL_NS`` old, else from one timer
 that long after. One msgspec encode and one non-blocking write per hand-off; the
-pipeline's drain thread wakes only when the pipe is full (a thread of ours that
-wakes in this process takes the event loop's GIL: ``pipeline.py``). The span's
+pipeline's drain thread wakes when a write is declined or left bytes pending,
+and otherwise once a second (a thread of ours that wakes in this process takes
+the event loop's GIL: ``pipeline.py``). The span's
 ids are chosen at receipt and handed to the engine core in the trace headers,
 so the engine's journeys nest under it without a round trip.
 
@@ -257,21 +258,23 @@ def _hand_on(target: JourneyPipeline, now_ns: int) -> None:
     enough, else once a timer fires (so the last requests of a burst leave
     within ``PUBLISH_INTERVAL_NS`` too)."""
     target.publish_due(now_ns)
-    if not target.queued:
-        return
+    if not target.queued or not target.sink.takes_offers:
+        return  # (thread mode: the drain thread builds the spans, every interval)
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:  # no loop here: the drain thread's backstop hands it on
         return
     if _TIMER and _TIMER[0][0] is loop:
         return  # one is pending (a timer of a loop that has closed never fires)
-    _TIMER[:] = [(loop, loop.call_later(PUBLISH_INTERVAL_NS / 1e9, _publish_now, target))]
+    _TIMER[:] = [(loop, loop.call_later(PUBLISH_INTERVAL_NS / 1e9, _publish_now))]
 
 
-def _publish_now(target: JourneyPipeline) -> None:
+def _publish_now() -> None:
     _TIMER.clear()
+    target = pipeline()  # this process's pipeline now (a test may have replaced it)
     try:
-        target.publish_due(time.monotonic_ns(), force=True)
+        if target is not None:
+            target.publish_due(time.monotonic_ns(), force=True)
     except Exception:
         _fail("API-server hand-off")
 

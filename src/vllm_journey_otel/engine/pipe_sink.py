@@ -230,6 +230,12 @@ class PipeSink:
     takes_offers = True
 
     @property
+    def replacing(self) -> bool:
+        return (
+            self._recipe is not None and not self._closing and len(self._fds) < self.wanted
+        )
+
+    @property
     def pending(self) -> bool:
         return bool(self._pending)
 

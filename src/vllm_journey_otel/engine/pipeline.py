@@ -8,7 +8,8 @@ owner hands the queue to the sink itself, at a moment it chooses (the end of a
 step; an API request's end, or a timer on the event loop): ``publish_due``, at
 most every ``PUBLISH_INTERVAL_NS``, only if that cannot block.
 
-A daemon thread ("vllm-journey-otel") is the backstop. It sleeps until the owner
+A daemon thread ("vllm-journey-otel"; ``journey-drain`` where the OS shows
+threads) is the backstop. It sleeps until the owner
 needs it (its offer was declined: every exporter pipe is full; or bytes of a
 frame are left pending), and otherwise wakes once every ``MAINTAIN_S`` to notice
 and replace a lost exporter, to take in-flight snapshots, and to drain a queue
@@ -49,7 +50,7 @@ class Sink(Protocol):
     """
 
     def offer(self, batch: Sequence[Record], engine_dropped: int = 0) -> bool:
-        """Engine thread: take the batch now if that cannot block; False = queue it."""
+        """The owner's thread: take the batch now if that cannot block; False = queue it."""
 
     @property
     def pending(self) -> bool:
@@ -58,6 +59,11 @@ class Sink(Protocol):
     @property
     def takes_offers(self) -> bool:
         """Whether :meth:`offer` can ever take a batch (False: always queue)."""
+
+    @property
+    def replacing(self) -> bool:
+        """Whether :meth:`maintain` has a lost exporter to replace (it is then
+        called every interval, so the replacement starts when its backoff says)."""
 
     def consume(
         self, batch: Sequence[Record], engine_dropped: int = 0, deadline: float | None = None
@@ -85,7 +91,7 @@ _DROP_LOG_PERIOD_S = 60.0
 # stays pending for the next one), so a flush or shutdown with a deadline never
 # waits longer than this for the sink.
 DRAIN_WRITE_S = 0.2
-# The engine thread hands finished journeys on at most this often (publish_due).
+# The owner hands finished journeys on at most this often (publish_due).
 # The exporter's paced read (sinks.READ_PACE_S) is twice this.
 PUBLISH_INTERVAL_NS = 25_000_000
 # In-flight snapshots the drain thread hands on per wake-up, at most.
@@ -132,10 +138,11 @@ class JourneyPipeline:
         self._stop = False
         # Set by the owner when it needs the drain thread (or by shutdown).
         self._wake = threading.Event()
-        # Counters. ``dropped`` is written by the engine thread only; the others
-        # by whichever thread holds the drain lock.
+        # Counters. ``dropped`` is written by the owner only; the others by
+        # whichever thread holds the drain lock. ``_declined`` is set by the
+        # owner and cleared by either (publish_due, drain).
         self._last_publish_ns = 0
-        # Written by the engine thread in publish_due, read by the drain thread
+        # Written by the owner in publish_due, read by the drain thread
         # (engine monotonic clock): the engine's last call, and whether its last
         # offer was declined.
         self._engine_seen_ns = 0
@@ -158,9 +165,9 @@ class JourneyPipeline:
             self._thread = threading.Thread(target=self._run, name="vllm-journey-otel", daemon=True)
             self._thread.start()
 
-    # -- engine thread -----------------------------------------------------
+    # -- the owner's thread ------------------------------------------------
     def submit(self, journey: Record) -> None:
-        """Queue a finished journey (engine thread). O(1), never blocks, never raises."""
+        """Queue a finished journey (the owner). O(1), never blocks, never raises."""
         if len(self._queue) >= self._max_queue:
             self.dropped += 1
             return
@@ -217,13 +224,21 @@ class JourneyPipeline:
         applied = lower_priority(self._cpu_priority, shares_gil=True)
         logger.debug("journey-otel: drain thread at %s", applied)
         failures = 0
+        # The next wake-up for maintenance (time.monotonic()); a wake-up by the
+        # owner between does not move it (in-flight checks stay ~1 s apart).
+        due = time.monotonic() + self._maintain_s
         while True:
-            # Every interval only while it has the owner's work to do.
-            busy = not self._offers or self._declined or self.sink.pending
-            self._wake.wait(self._interval_s if busy else self._maintain_s)
+            # Every interval only while it has the owner's work (or a lost
+            # exporter's replacement) to do.
+            busy = not self._offers or self._declined or self.sink.pending or self.sink.replacing
+            wait = self._interval_s if busy else max(0.0, due - time.monotonic())
+            self._wake.wait(wait)
             self._wake.clear()
             if self._stop:
                 return
+            now = time.monotonic()
+            if now >= due:
+                due = now + self._maintain_s
             try:
                 self.sink.maintain()  # a lost exporter is noticed and replaced here
                 self._watch()
@@ -270,7 +285,7 @@ class JourneyPipeline:
                 )
 
     def engine_hands_on(self, now_ns: int | None = None) -> bool:
-        """Drain thread: whether the engine thread is stepping (it called
+        """Drain thread: whether the owner is handing on (it called
         :meth:`publish_due` within two intervals) and its last offer went through,
         with no partial frame left. Then whatever is queued is the engine's to
         hand on within ``PUBLISH_INTERVAL_NS``, and the drain thread leaves it:
@@ -303,11 +318,16 @@ class JourneyPipeline:
             ):
                 self._report_drops()
                 return 0
+            if self._offers:
+                # From here the owner's offers may go through again; one declined
+                # while this drain writes (the sink's lock is taken) sets it back
+                # and wakes this thread again, so nothing waits for MAINTAIN_S.
+                self._declined = False
             queue = self._queue
             batch: list[Record] = []
             try:
-                # The engine thread's publish_due may pop some meanwhile: each
-                # journey goes once, by whichever thread popped it.
+                # The owner's publish_due may pop some meanwhile: each journey
+                # goes once, by whichever thread popped it.
                 for _ in range(len(queue)):
                     batch.append(queue.popleft())
             except IndexError:
@@ -321,10 +341,6 @@ class JourneyPipeline:
                     raise
                 self.failed += failed
                 self.exported += n - failed
-            if self._offers and not self.sink.pending:
-                # Caught up: the owner's next offer goes through again (a
-                # decline after this sets it back, and wakes this thread).
-                self._declined = False
             self._report_drops()
         finally:
             self._drain_lock.release()

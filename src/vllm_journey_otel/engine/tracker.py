@@ -442,8 +442,10 @@ class SchedulerTracker:
             if rec is not None:
                 step, t0, t1, *rest = rec
                 self.pipeline.submit(StepRecord(step, t0, t1, _now(), *rest))
-        # The last step before idling hands everything on: no later step would.
-        self.pipeline.publish_due(t, force=not self.scheduler.requests)
+        # The last step before idling hands everything on: no later step would
+        # (idle as vLLM's busy loop sees it: sessions waiting for input, a pause).
+        pl, s = self.pipeline, self.scheduler
+        pl.publish_due(t, force=bool(pl.queued) and not s.has_unfinished_requests())
         awaiting = self.awaiting
         if not awaiting:
             return

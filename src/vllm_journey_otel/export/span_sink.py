@@ -102,6 +102,7 @@ class SpanSink:
         return False  # building spans is not for the engine thread: always queue
 
     takes_offers = False
+    replacing = False  # nothing to replace: spans are built in this process
 
     @property
     def drop_advice(self) -> str:
