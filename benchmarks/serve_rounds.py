@@ -265,6 +265,25 @@ def one_round(mode: str, env: dict[str, str], args: argparse.Namespace, tmp: Pat
         server.stop()
 
 
+def rotated(modes: list[str], rounds: int, run: Any, failed: Counter[str]) -> list[dict[str, Any]]:
+    """``run(mode, round)`` for each mode in each round, the order rotated each
+    round (none always follows the same one); each row is printed as it comes.
+    A failed round is counted in ``failed`` and said, never averaged."""
+    rows = []
+    for r in range(rounds):
+        for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
+            try:
+                row = run(mode, r)
+            except Exception as exc:
+                failed[mode] += 1
+                print(f"round {r} {mode}: failed: {exc!r}", file=sys.stderr, flush=True)
+                continue
+            row["round"] = r
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=9)
@@ -299,19 +318,14 @@ def main() -> None:
     if unknown:
         p.error(f"unknown mode(s) {unknown}; known: {sorted(catalogue)}")
     tmp = Path(tempfile.mkdtemp(prefix="serve-rounds-"))
-    rows, failed = [], Counter()
+    failed: Counter[str] = Counter()
     try:
-        for r in range(args.rounds):
-            order = modes[r % len(modes) :] + modes[: r % len(modes)]
-            for mode in order:
-                try:
-                    row = one_round(mode, catalogue[mode], args, tmp, r)
-                except Exception as exc:  # a failed round is counted, not averaged
-                    failed[mode] += 1
-                    print(f"round {r} {mode}: failed: {exc!r}", file=sys.stderr, flush=True)
-                    continue
-                rows.append(row)
-                print(json.dumps(row), file=sys.stderr, flush=True)
+        rows = rotated(
+            modes,
+            args.rounds,
+            lambda mode, r: one_round(mode, catalogue[mode], args, tmp, r),
+            failed,
+        )
     finally:
         receiver.stop()
     if not rows:

@@ -52,7 +52,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from serve_rounds import SLOW_FACTOR, cpu_s, quantiles, roles, thread_delta, threads  # noqa: E402
+from serve_rounds import (  # noqa: E402
+    SLOW_FACTOR,
+    cpu_s,
+    quantiles,
+    roles,
+    rotated,
+    thread_delta,
+    threads,
+)
 
 from fixtures.tiny_model import build  # noqa: E402
 from otlp_receiver import Receiver  # noqa: E402
@@ -288,21 +296,15 @@ def main() -> None:
     if unknown:
         p.error(f"unknown mode(s) {unknown}; known: {sorted(catalogue)}")
     tmp = Path(tempfile.mkdtemp(prefix="serve-short-"))
-    rows: list[dict[str, Any]] = []
     failed: Counter[str] = Counter()
     try:
         one_round(modes[0], catalogue[modes[0]], args, tmp, -1)  # warm-up, not counted
-        for r in range(args.rounds):
-            for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
-                try:
-                    row = one_round(mode, catalogue[mode], args, tmp, r)
-                except Exception as exc:  # a failed round is counted, not averaged
-                    failed[mode] += 1
-                    print(f"round {r} {mode}: failed: {exc!r}", file=sys.stderr, flush=True)
-                    continue
-                row["round"] = r
-                rows.append(row)
-                print(json.dumps(row), file=sys.stderr, flush=True)
+        rows = rotated(
+            modes,
+            args.rounds,
+            lambda mode, r: one_round(mode, catalogue[mode], args, tmp, r),
+            failed,
+        )
     finally:
         receiver.stop()
     if not rows:
