@@ -67,7 +67,7 @@ def main() -> None:
             "print('J', total, len(html))"
         )
         explain = timed(
-            "from vllm_journey_otel.tools.explain import file_share\n"
+            "from vllm_journey_otel.tools.journey_files import file_share\n"
             "from vllm_journey_otel.tools.tracefile import read_spans\n"
             f"share = file_share(lambda a: read_spans([{str(path)!r}], attributes_of=a))\n"
             "print('J', share.journeys)"

@@ -429,6 +429,7 @@ def test_trace_file_and_summary(model_dir, module_receiver, tmp_path) -> None:  
 # ---------------------------------------------------------------------------
 def test_explain_on_a_served_burst(model_dir, module_receiver, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from vllm_journey_otel.tools import explain as X
+    from vllm_journey_otel.tools import journey_files as J
     from vllm_journey_otel.tools.cli import main as cli_main
     from vllm_journey_otel.tools.tracefile import read_spans
 
@@ -466,7 +467,7 @@ def test_explain_on_a_served_burst(model_dir, module_receiver, tmp_path) -> None
     by_parent: dict[str, list[object]] = {}
     for s in spans:
         by_parent.setdefault(s.parent_span_id, []).append(s)
-    explained, total = X.explanations(read, X.Selection(slowest=32))
+    explained, total = J.explanations(read, J.Selection(slowest=32))
     assert total == 32 and len(explained) == 32
     preemptions = 0
     for e in explained:
@@ -483,7 +484,7 @@ def test_explain_on_a_served_burst(model_dir, module_receiver, tmp_path) -> None
         assert e.output_tokens == 256
         preemptions += len(e.preemptions)
     assert preemptions == preempted_total
-    share = X.file_share(read)
+    share = J.file_share(read)
     assert share.total_ms == pytest.approx(sum(e.e2e_ms for e in explained))
     for cause, ms in share.by_cause_ms.items():
         assert ms == pytest.approx(sum(e.by_cause().get(cause, 0.0) for e in explained), abs=1e-6)

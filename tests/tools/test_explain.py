@@ -22,6 +22,7 @@ from vllm_journey_otel.config import MODE_THREAD, Config
 from vllm_journey_otel.engine import hooks
 from vllm_journey_otel.export.file_exporter import OtlpJsonFileExporter
 from vllm_journey_otel.tools import explain as X
+from vllm_journey_otel.tools import journey_files as J
 from vllm_journey_otel.tools.cli import main as cli_main
 from vllm_journey_otel.tools.explain_text import NOT_OBSERVED, format_journey
 from vllm_journey_otel.tools.tracefile import FileSpan, read_spans
@@ -72,7 +73,7 @@ def traced(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
     return journeys(memory.get_finished_spans()), path
 
 
-def _read(path: Path) -> X.Reader:
+def _read(path: Path) -> J.Reader:
     return lambda attributes_of: read_spans([path], attributes_of=attributes_of)
 
 
@@ -81,7 +82,7 @@ def _ms(span: Any) -> float:
 
 
 def _one(path: Path, rid: str) -> X.Explanation:
-    (e,), total = X.explanations(_read(path), X.Selection(request_ids=frozenset({rid})))
+    (e,), total = J.explanations(_read(path), J.Selection(request_ids=frozenset({rid})))
     assert total == 12
     return e
 
@@ -154,7 +155,7 @@ def test_the_whole_file_adds_up_to_every_journeys_causes(traced: tuple[Any, Path
     """Two ways to the same figures: the streaming tally of the file and the sum of
     the journeys explained one by one."""
     tree, path = traced
-    share = X.file_share(_read(path), top=2)
+    share = J.file_share(_read(path), top=2)
     assert share.journeys == len(tree)
     assert share.total_ms == pytest.approx(sum(_ms(j) for j in tree.values()))
     each = {rid: _one(path, rid).by_cause() for rid in tree}

@@ -22,6 +22,7 @@ import pytest
 from conftest import REQUIRE_VLLM
 from records import write_trace_file
 from vllm_journey_otel.tools import explain as X
+from vllm_journey_otel.tools import journey_files as J
 from vllm_journey_otel.tools.cli import CHROMIUM_FLAGS
 from vllm_journey_otel.tools.cli import main as cli_main
 from vllm_journey_otel.tools.tracefile import read_spans
@@ -75,9 +76,9 @@ def test_chromium_draws_the_rows_in_view_and_jumps_to_a_request(page: tuple[Path
     assert re.search(r'class="row[^"]*picked[^"]*" data-request-id="req-5000"', dom)
     # The explanation panel: the explain tool's figures for that request.
     panel = re.search(r'<div id="explain"[^>]*>(.*?)</div>', dom, re.S).group(1)  # type: ignore[union-attr]
-    (e,), _ = X.explanations(
+    (e,), _ = J.explanations(
         lambda a: read_spans([trace], attributes_of=a),
-        X.Selection(request_ids=frozenset({"req-5000"})),
+        J.Selection(request_ids=frozenset({"req-5000"})),
     )
     assert panel.startswith("req-5000")
     for cause, ms in e.by_cause().items():

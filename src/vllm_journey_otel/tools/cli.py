@@ -1,16 +1,18 @@
-"""``vllm-journey``: explain, summarise, draw, convert (Perfetto) and replay journeys
-from OTLP/JSON trace files.
+"""``vllm-journey``: explain, summarise, compare (diff), draw, convert (Perfetto) and
+replay journeys from OTLP/JSON trace files.
 
 Exit codes: 0 ok; 1 the files held no journey (``doctor``: a check failed, no
-journey would arrive); 2 usage error or an unreadable file; 3 a replay that
-could not reach its endpoint, or a --png without Chromium.
-Bad lines are reported on stderr (file:line) and skipped.
+journey would arrive; ``diff``: a --fail-if rule failed); 2 usage error or an
+unreadable file; 3 a replay that could not reach its endpoint, or a --png
+without Chromium. A closed pipe (``| head``) ends quietly with the shell's
+code for it (141). Bad lines are reported on stderr (file:line) and skipped.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -19,9 +21,18 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
+from vllm_journey_otel.tools import diff as D
 from vllm_journey_otel.tools import doctor, perfetto
-from vllm_journey_otel.tools.explain import Selection, explanations, file_share
+from vllm_journey_otel.tools.diff_report import format_text as format_diff
+from vllm_journey_otel.tools.diff_report import render_html as render_diff
 from vllm_journey_otel.tools.explain_text import format_journey, format_share
+from vllm_journey_otel.tools.journey_files import (
+    BY_E2E,
+    BY_TTFT,
+    Selection,
+    explanations,
+    file_share,
+)
 from vllm_journey_otel.tools.replay import PROTOCOLS, replay
 from vllm_journey_otel.tools.summary import SUMMARY_ATTRIBUTES, format_text, summarize
 from vllm_journey_otel.tools.timeline import DEFAULT_LIMIT, collect, render
@@ -44,6 +55,7 @@ EXIT_OK = 0
 EXIT_EMPTY = 1
 EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 3
+EXIT_PIPE = 128 + 13  # SIGPIPE, as the shell reports a reader that went away
 MAX_REPORTED = 20
 
 
@@ -112,7 +124,7 @@ def _summary(args: argparse.Namespace) -> int:
 
 
 def _reader(
-    args: argparse.Namespace, errors: _Errors, progress: _Progress
+    files: list[str], errors: _Errors, progress: _Progress
 ) -> Callable[[frozenset[str] | None], Iterable[FileSpan]]:
     """A fresh span iterator per call (tools read the files twice); bad lines
     are reported on the first pass only."""
@@ -121,17 +133,19 @@ def _reader(
     def read(attributes_of: frozenset[str] | None) -> Iterable[FileSpan]:
         report = errors if first[0] else None
         first[0] = False
-        return read_spans(args.files, report, progress, attributes_of=attributes_of)
+        return read_spans(files, report, progress, attributes_of=attributes_of)
 
     return read
 
 
 def _explain(args: argparse.Namespace) -> int:
     errors, progress = _Errors(), _Progress(args.files)
-    sel = Selection(frozenset(args.request or ()), frozenset(args.trace or ()), args.slowest or 0)
+    sel = Selection(
+        frozenset(args.request or ()), frozenset(args.trace or ()), args.slowest or 0, args.by
+    )
     whole = not (sel.request_ids or sel.trace_ids or sel.slowest)
     try:
-        read = _reader(args, errors, progress)
+        read = _reader(args.files, errors, progress)
         if whole:
             share = file_share(read, top=args.top)
             found = share.journeys
@@ -162,7 +176,7 @@ def _explain(args: argparse.Namespace) -> int:
 def _timeline(args: argparse.Namespace) -> int:
     errors, progress = _Errors(), _Progress(args.files)
     try:
-        rows, total = collect(_reader(args, errors, progress), limit=args.limit)
+        rows, total = collect(_reader(args.files, errors, progress), limit=args.limit)
     except TraceFileError as e:
         print(f"vllm-journey: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -195,6 +209,41 @@ def _timeline(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _diff(args: argparse.Namespace) -> int:
+    try:
+        rules = [D.parse_rule(r) for r in args.fail_if or ()]
+    except ValueError as e:
+        print(f"vllm-journey: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    samples = []
+    for name in (args.base, args.new):
+        errors, progress = _Errors(), _Progress([name])
+        try:
+            samples.append(D.from_reader(_reader([name], errors, progress)))
+        except TraceFileError as e:
+            print(f"vllm-journey: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        finally:
+            progress.done()
+        errors.done()
+    base, new = samples
+    for name, sample in ((args.base, base), (args.new, new)):
+        if sample.count == 0:
+            print(f"vllm-journey: {name}: no vllm.request spans found", file=sys.stderr)
+            return EXIT_EMPTY
+    d = D.diff(base, new)
+    failures = [why for why in (r.check(d) for r in rules) if why is not None]
+    if args.html:
+        Path(args.html).write_text(render_diff(d, base, new, args.base, args.new), encoding="utf-8")
+    if args.json:
+        print(json.dumps({**d.to_dict(), "failed": failures}, indent=2))
+    else:
+        print(format_diff(d, args.base, args.new, failures))
+    for why in failures:
+        print(f"vllm-journey: --fail-if {why}", file=sys.stderr)
+    return EXIT_EMPTY if failures else EXIT_OK
+
+
 def _replay(args: argparse.Namespace) -> int:
     for f in args.files:
         if not Path(f).is_file():
@@ -214,6 +263,31 @@ def _replay(args: argparse.Namespace) -> int:
     return EXIT_OK if sent else EXIT_EMPTY
 
 
+def _add_diff_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    d = sub.add_parser(
+        "diff",
+        help="what got slower between two runs, where, and for whom",
+        description="Per phase (the causes explain uses, server TTFT, end to end, decode per "
+        "token) and per group (model, LoRA adapter, DP rank, instance), each file's count "
+        "and p50/p90/p99, the change, and whether it is beyond the noise (95%% intervals "
+        "of each quantile from order statistics apart; a Mann-Whitney U test of the whole "
+        "distribution). Exit codes: 0 ok, 1 a --fail-if rule failed or a file held no "
+        "journey, 2 usage error or an unreadable file.",
+    )
+    d.add_argument("base", help="OTLP/JSON-lines trace file of the baseline run")
+    d.add_argument("new", help="OTLP/JSON-lines trace file of the run to judge")
+    d.add_argument(
+        "--fail-if",
+        action="append",
+        metavar="RULE",
+        help="PHASE.pQ OP CHANGE, e.g. 'queued.p99 > +20%%' or 'e2e.p50 > 5ms' (repeatable): "
+        "exit 1 when the change meets it beyond the noise, or the phase is not observed",
+    )
+    d.add_argument("--json", action="store_true", help="machine-readable output")
+    d.add_argument("--html", metavar="FILE", help="also write the distributions side by side")
+    d.set_defaults(func=_diff)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vllm-journey", description="Summarise vLLM request journeys from trace files."
@@ -225,21 +299,41 @@ def build_parser() -> argparse.ArgumentParser:
         description="For the requests named (--request, --trace, --slowest): where each "
         "one's time went, in words and a text waterfall. For a whole file (none of "
         "them): the share of all request-time in each cause, and the requests that "
-        "dominate it. Exit codes: 0 ok, 1 no (matching) journey, 2 unreadable file.",
+        "dominate it. With the API server's spans in the file (the default), a journey is "
+        "what the user waited: vllm.api.request, split into the read before vLLM's stamp, "
+        "rendering and hand-off, the engine's input queue, the engine's phases, and the "
+        "output side; without them, the engine's vllm.request. "
+        "Exit codes: 0 ok, 1 no (matching) journey, 2 unreadable file.",
     )
     e.add_argument("files", nargs="+", help="OTLP/JSON-lines trace files")
     e.add_argument("--request", action="append", metavar="ID", help="a request id (repeatable)")
     e.add_argument("--trace", action="append", metavar="ID", help="a trace id (repeatable)")
     e.add_argument("--slowest", type=_positive, metavar="N", help="the N slowest requests")
+    e.add_argument(
+        "--by",
+        choices=(BY_E2E, BY_TTFT),
+        default=BY_E2E,
+        help="--slowest by end to end (the outermost span) or by server TTFT",
+    )
     e.add_argument("--top", type=_positive, default=3, help="whole file: requests per cause")
     e.add_argument("--json", action="store_true", help="machine-readable output")
     e.set_defaults(func=_explain)
-    s = sub.add_parser("summary", help="per-phase latency, preemptions, statuses, tokens")
+    s = sub.add_parser(
+        "summary",
+        help="per-phase latency, preemptions, statuses, tokens",
+        description="Per-phase latency percentiles, preemptions, waits, finish statuses, "
+        "tokens and the slowest requests. Exit codes: 0 ok, 1 no journey, 2 unreadable file.",
+    )
     s.add_argument("files", nargs="+", help="OTLP/JSON-lines trace files")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.add_argument("--top", type=_positive, default=10, help="slowest requests to list")
     s.set_defaults(func=_summary)
-    t = sub.add_parser("timeline", help="a self-contained HTML page of every journey")
+    t = sub.add_parser(
+        "timeline",
+        help="a self-contained HTML page of every journey",
+        description="One row per request (the slowest --limit kept), its phases over time. "
+        "Exit codes: 0 ok, 1 no journey, 2 unreadable file, 3 --png without Chromium.",
+    )
     t.add_argument("files", nargs="+", help="OTLP/JSON-lines trace files")
     t.add_argument("-o", "--output", default="journeys.html", help="HTML file to write")
     t.add_argument(
@@ -249,7 +343,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=_timeline)
     perfetto.add_parser(sub)
     doctor.add_parser(sub)
-    r = sub.add_parser("replay", help="send trace files to an OTLP endpoint")
+    _add_diff_parser(sub)
+    r = sub.add_parser(
+        "replay",
+        help="send trace files to an OTLP endpoint",
+        description="Send trace files' spans to an OTLP endpoint. Exit codes: 0 ok, "
+        "1 nothing sent, 2 unreadable file, 3 the endpoint could not be reached.",
+    )
     r.add_argument("files", nargs="+", help="OTLP/JSON-lines trace files")
     r.add_argument("--endpoint", required=True, help="e.g. http://127.0.0.1:4317")
     r.add_argument("--protocol", default="grpc", choices=PROTOCOLS)
@@ -269,7 +369,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if isinstance(getattr(args, "files", None), list):
         # A file named twice is read once (every tool counts what it reads).
         args.files = list(dict.fromkeys(args.files))
-    return int(args.func(args))
+    try:
+        code = int(args.func(args))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (``| head``): end quietly, as a shell tool does.
+        # stdout is pointed at /dev/null so the interpreter's final flush cannot
+        # raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE
+    return code
 
 
 if __name__ == "__main__":

@@ -475,7 +475,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "doctor",
         help="check, where vllm serve will run, that journeys would arrive",
         description="Checks the entry point, VLLM_JOURNEY_OTEL, vLLM, the OTEL_* settings and the "
-        "endpoint (one test span): ok, warn or FAIL, with the fix. Exit 0: a journey would arrive.",
+        "endpoint (one test span): ok, warn or FAIL, with the fix. Exit codes: 0 a journey would "
+        "arrive, 1 a check failed, 2 usage error.",
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     timeout = "seconds the test span may take, 0.1 to 60 (default %(default)g)"

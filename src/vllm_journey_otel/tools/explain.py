@@ -2,21 +2,29 @@
 
 Runs in the CLI's process (one thread). Times are the spans' epoch nanoseconds
 (``*_unix_ns``); figures are milliseconds. Pure: works on
-:class:`~vllm_journey_otel.tools.tracefile.FileSpan` records.
+:class:`~vllm_journey_otel.tools.tracefile.FileSpan` records; reading them out
+of files is ``tools/journey_files.py``.
 
-A journey's time is split into causes that tile its root span: before the
-engine (the root's start, vLLM's arrival time in the API server, to the
-scheduler's admission), queued (less the waits inside it, each a cause of its
-own: ``wait:<reason>``), prefill, decode, preempted (less its waits), recompute
-(the prefill of a cycle resumed after a preemption), and after the engine (the
-last phase's end to the root's end). Every figure comes from a span or its
-attributes; what the spans do not say is ``None`` ("not observed"), never 0.
+A journey's time is split into causes that tile its outermost span. With the
+API server's spans (``vllm.api.request``, the default) that is what the user
+waited: the read before vLLM's arrival stamp (``api_read``), rendering,
+tokenizing and the hand-off to the engine core (``api_render``; ``api_input``
+when the split was not observed), the engine's input queue up to admission
+(``engine_input``), the engine's phases, the last output's way back to the API
+server (``engine_handback``) and the API server's output side (``api_output``).
+Without them (API spans off, older files) the outermost span is the engine's
+``vllm.request``: before the engine (vLLM's arrival stamp to the scheduler's
+admission), the phases, and after the engine (the last phase's end to the
+root's end). The engine's phases: queued (less the waits inside it, each a
+cause of its own: ``wait:<reason>``), prefill, decode, preempted (less its
+waits), recompute (the prefill of a cycle resumed after a preemption). Every
+figure comes from a span or its attributes; what the spans do not say is
+``None`` ("not observed"), never 0.
 """
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -31,9 +39,29 @@ PREEMPTED = "preempted"
 RECOMPUTE = "recompute"
 AFTER = "after_engine"
 WAIT = "wait:"  # + the wait's reason
+# The API server's part (vllm.api.*), where the file has it.
+API_READ = "api_read"
+API_RENDER = "api_render"
+API_INPUT = "api_input"
+ENGINE_INPUT = "engine_input"
+ENGINE_HANDBACK = "engine_handback"
+API_OUTPUT = "api_output"
 # The causes, in the order of a journey (waits take their reason's name).
-CAUSES = (BEFORE, QUEUED, PREFILL, DECODE, PREEMPTED, RECOMPUTE, AFTER)
+CAUSES = (
+    API_READ, API_RENDER, API_INPUT, ENGINE_INPUT, BEFORE,
+    QUEUED, PREFILL, DECODE, PREEMPTED, RECOMPUTE,
+    AFTER, ENGINE_HANDBACK, API_OUTPUT,
+)  # fmt: skip
+# Before and after the engine, as the API server's spans split them.
+API_BEFORE = (API_READ, API_RENDER, API_INPUT, ENGINE_INPUT)
+API_AFTER = (ENGINE_HANDBACK, API_OUTPUT)
 LABELS = {
+    API_READ: "read (before vLLM's stamp)",
+    API_RENDER: "render, tokenize, hand-off",
+    API_INPUT: "API server's input side",
+    ENGINE_INPUT: "engine input queue",
+    ENGINE_HANDBACK: "last output to API server",
+    API_OUTPUT: "API server's output side",
     BEFORE: "before the engine",
     QUEUED: "queued",
     PREFILL: "prefill",
@@ -47,8 +75,11 @@ EXPLAIN_ATTRIBUTES = frozenset(
     {S.SPAN_REQUEST, S.SPAN_SCHEDULED, S.SPAN_QUEUED, S.SPAN_PREEMPTED, S.SPAN_PREFILL,
      S.SPAN_DECODE, S.SPAN_WAIT}
 )  # fmt: skip
-_CHILDREN = (S.SPAN_QUEUED, S.SPAN_SCHEDULED, S.SPAN_PREEMPTED)
-_GRANDCHILDREN = (S.SPAN_PREFILL, S.SPAN_DECODE, S.SPAN_WAIT)
+# The engine root's phases, and the spans below them.
+CHILDREN = (S.SPAN_QUEUED, S.SPAN_SCHEDULED, S.SPAN_PREEMPTED)
+GRANDCHILDREN = (S.SPAN_PREFILL, S.SPAN_DECODE, S.SPAN_WAIT)
+# Phases that are causes of their own (less the waits inside them).
+AS_CAUSE = {S.SPAN_QUEUED: QUEUED, S.SPAN_PREEMPTED: PREEMPTED}
 
 
 def _ms(ns: int) -> float:
@@ -112,6 +143,16 @@ class Explanation:
     prefill_cached_tokens: int | None = None
     decode_tokens: int | None = None
     spec_acceptance: float | None = None
+    # The span the causes tile: vllm.api.request (what the user waited) where
+    # the file has the API server's part, else the engine's vllm.request.
+    outermost: str = S.SPAN_REQUEST
+    # vllm.api.ttft_ms: receipt to the first response bytes after the hand-off.
+    server_ttft_ms: float | None = None
+    # Engine requests under the API request (n>1: the one that ended last is shown).
+    engine_requests: int = 1
+    # The engine's phases went on this long after the last response byte (the
+    # API server ended the request itself: a stop string, a client gone).
+    engine_after_response_ms: float | None = None
 
     def by_cause(self) -> dict[str, float]:
         """Milliseconds per cause, in journey order."""
@@ -131,6 +172,10 @@ class Explanation:
         return {
             "request_id": self.request_id,
             "trace_id": self.trace_id,
+            "outermost": self.outermost,
+            "server_ttft_ms": self.server_ttft_ms,
+            "engine_requests": self.engine_requests,
+            "engine_after_response_ms": self.engine_after_response_ms,
             "status": self.status,
             "e2e_ms": self.e2e_ms,
             "input_tokens": self.input_tokens,
@@ -176,30 +221,135 @@ def _carve(span: FileSpan, cause: str, waits: list[FileSpan], t0: int, out: list
         out.append(Segment(cause, _ms(t - t0), _ms(span.end_unix_ns - t0)))
 
 
-def explain(root: FileSpan, spans: Iterable[FileSpan]) -> Explanation:
-    """The explanation of one journey: its root and the spans below it."""
+class ApiSides(NamedTuple):
+    """The API server's part of one request (its ``vllm.api.*`` spans), as far
+    as the file has it: a few numbers, so a file's worth fit in memory."""
+
+    span_id: str
+    trace_id: str
+    start: int  # vllm.api.request: receipt
+    end: int  # ... the last response byte
+    ttft_ms: float | None  # vllm.api.ttft_ms
+    read_ms: float | None  # vllm.api.input's vllm.api.read_ms
+    handoff: int | None  # vllm.api.input's end; None: no input side in the file
+    output_start: int | None  # vllm.api.output's start; None: no output side
+    request_ids: tuple[str, ...] = ()
+    engine_requests: int = 1
+
+
+class Bounds(NamedTuple):
+    """Where one journey's outermost span and its engine phases begin and end
+    (epoch ns); ``first``/``last``: the first phase's start and the last one's
+    end, None without a phase."""
+
+    start: int
+    end: int
+    first: int | None
+    last: int | None
+
+
+def edge_segments(b: Bounds, api: ApiSides | None, t0: int) -> tuple[list[Segment], list[Segment]]:
+    """The stretches before the first phase and after the last, as causes.
+
+    With the API server's spans: up to vLLM's arrival stamp (``vllm.api.read_ms``),
+    to the hand-off (the input side's end), to admission; after the last phase:
+    to the output side's start, to the last byte. Without: before / after the
+    engine. Each point is clamped between the previous one and the phases (two
+    processes' clocks agree only to a few microseconds), so stretches never
+    overlap and, with the phases, tile the outermost span."""
+    before: list[tuple[str, int]] = []
+    after: list[tuple[str, int]] = []
+    if api is None:
+        if b.first is not None:
+            before.append((BEFORE, b.first))
+            after.append((AFTER, b.end))
+    else:
+        out = api.output_start
+        if api.handoff is not None and api.read_ms is not None:
+            arrival = b.start + int(api.read_ms * 1e6)
+            before += [(API_READ, arrival), (API_RENDER, api.handoff)]
+        elif api.handoff is not None:
+            before.append((API_INPUT, api.handoff))
+        # Without a phase (turned away, or aborted before admission) the engine's
+        # input queue runs to the output side, or to the end.
+        admitted = b.first if b.first is not None else (out if out is not None else b.end)
+        before.append((ENGINE_INPUT, admitted))
+        after = [(ENGINE_HANDBACK, out)] if out is not None else []
+        after.append((API_OUTPUT if out is not None else AFTER, b.end))
+    limit = b.first if b.first is not None else b.end
+    head, reached = _stretches(before, b.start, limit, t0)
+    tail, _ = _stretches(after, b.last if b.last is not None else reached, b.end, t0)
+    return head, tail
+
+
+def _stretches(
+    points: list[tuple[str, int]], cursor: int, limit: int, t0: int
+) -> tuple[list[Segment], int]:
+    """Consecutive stretches from ``cursor`` to each point in turn (clamped to
+    ``limit``), and where they reached."""
+    out = []
+    for cause, point in points:
+        p = min(max(point, cursor), limit)
+        if p > cursor:
+            out.append(Segment(cause, _ms(cursor - t0), _ms(p - t0)))
+        cursor = p
+    return out, cursor
+
+
+def _clip(segments: list[Segment], e2e_ms: float) -> list[Segment]:
+    """Phases past the outermost span's end (the engine still working after the
+    last response byte: a stop string, a client gone) are cut at it; the
+    overrun is reported on its own."""
+    return [
+        Segment(s.cause, s.start_ms, min(s.end_ms, e2e_ms)) for s in segments if s.start_ms < e2e_ms
+    ]
+
+
+def explain(
+    root: FileSpan | None, spans: Iterable[FileSpan], api: ApiSides | None = None
+) -> Explanation:
+    """The explanation of one journey: its engine root and the spans below it,
+    and the API server's part where the file has it (``api``). ``root`` None: a
+    request the API server answered without the engine (turned away)."""
+    if root is None:
+        if api is None:
+            raise ValueError("a journey needs its engine root or its API server's part")
+        rid = api.request_ids[0] if api.request_ids else ""
+        root = FileSpan(S.SPAN_API, api.trace_id, api.span_id, "", api.start, api.end,
+                        {S.REQUEST_ID: rid, S.FINISH_STATUS: "no engine request"}, {})  # fmt: skip
     a = root.attributes
-    t0 = root.start_unix_ns
+    t0 = api.start if api is not None else root.start_unix_ns
+    end = api.end if api is not None else root.end_unix_ns
     kids: dict[str, list[FileSpan]] = {}
     for s in spans:
         kids.setdefault(s.parent_span_id, []).append(s)
     # The journey's phases (an in-flight snapshot under the root is no phase).
     children = sorted(
-        (c for c in kids.get(root.span_id, []) if c.name in _CHILDREN),
+        (c for c in kids.get(root.span_id, []) if c.name in CHILDREN),
         key=lambda s: s.start_unix_ns,
     )
     e = Explanation(
         str(a.get(S.REQUEST_ID, "")),
-        root.trace_id,
+        api.trace_id if api is not None else root.trace_id,
         str(a.get(S.FINISH_STATUS, "unknown")),
-        _ms(root.end_unix_ns - root.start_unix_ns),
+        _ms(end - t0),
         _opt_int(a, S.GEN_AI_INPUT_TOKENS),
         _opt_int(a, S.GEN_AI_CACHE_READ_TOKENS),
         _opt_int(a, S.GEN_AI_OUTPUT_TOKENS),
         spec_acceptance=_opt_float(a, S.SPEC_ACCEPTANCE_RATE),
     )
-    if children and children[0].start_unix_ns > t0:
-        e.segments.append(Segment(BEFORE, 0.0, _ms(children[0].start_unix_ns - t0)))
+    if api is not None:
+        e.outermost = S.SPAN_API
+        e.server_ttft_ms = api.ttft_ms
+        e.engine_requests = api.engine_requests
+    bounds = Bounds(
+        t0,
+        end,
+        children[0].start_unix_ns if children else None,
+        max(c.end_unix_ns for c in children) if children else None,
+    )
+    before, after = edge_segments(bounds, api, t0)
+    e.segments += before
     resume_pending: Preemption | None = None
     for c in children:
         below = sorted(kids.get(c.span_id, []), key=lambda s: s.start_unix_ns)
@@ -220,9 +370,10 @@ def explain(root: FileSpan, spans: Iterable[FileSpan]) -> Explanation:
             resumed = c.attributes.get(S.SCHEDULE_KIND) == S.SCHEDULE_RESUME
             _cycle(e, below, resumed, resume_pending, t0)
             resume_pending = None
-    last_end = max((c.end_unix_ns for c in children), default=t0)
-    if children and root.end_unix_ns > last_end:
-        e.segments.append(Segment(AFTER, _ms(last_end - t0), e.e2e_ms))
+    if api is not None and bounds.last is not None and bounds.last > bounds.end:
+        e.engine_after_response_ms = _ms(bounds.last - bounds.end)
+        e.segments = _clip(e.segments, e.e2e_ms)
+    e.segments += after
     return e
 
 
@@ -259,177 +410,3 @@ def _cycle(
             done = _opt_int(s.attributes, S.DECODE_DONE_TOKENS)
             if done is not None and prefill_done is not None:
                 e.decode_tokens = (e.decode_tokens or 0) + max(0, done - prefill_done)
-
-
-# ---------------------------------------------------------------------------
-# Reading journeys out of trace files (two passes, bounded memory)
-# ---------------------------------------------------------------------------
-Reader = Callable[[frozenset[str] | None], Iterable[FileSpan]]
-# Pass 1 reads the attributes of these only (the roots, and the cycles' kinds).
-_PASS1 = frozenset({S.SPAN_REQUEST, S.SPAN_SCHEDULED})
-
-
-@dataclass
-class Selection:
-    """Which journeys to explain one by one."""
-
-    request_ids: frozenset[str] = frozenset()
-    trace_ids: frozenset[str] = frozenset()
-    slowest: int = 0
-
-
-class _Root(NamedTuple):
-    """What pass 1 keeps of a root: a few fields, not its attributes."""
-
-    span_id: str
-    trace_id: str
-    request_id: str
-    start_unix_ns: int
-    end_unix_ns: int
-
-
-def _pass1(read: Reader) -> tuple[list[_Root], dict[str, tuple[str, str]]]:
-    """Every root, and each child span's root and kind (by span id): the span's
-    name, or ``resume`` for a cycle resumed after a preemption."""
-    roots: list[_Root] = []
-    root_of: dict[str, tuple[str, str]] = {}
-    for s in read(_PASS1):
-        if s.name == S.SPAN_REQUEST:
-            rid = str(s.attributes.get(S.REQUEST_ID, ""))
-            roots.append(_Root(s.span_id, s.trace_id, rid, s.start_unix_ns, s.end_unix_ns))
-        elif s.name in _CHILDREN:
-            resumed = s.attributes.get(S.SCHEDULE_KIND) == S.SCHEDULE_RESUME
-            root_of[s.span_id] = (s.parent_span_id, "resume" if resumed else s.name)
-    return roots, root_of
-
-
-def _chosen(roots: list[_Root], sel: Selection) -> list[_Root]:
-    picked = [r for r in roots if r.request_id in sel.request_ids or r.trace_id in sel.trace_ids]
-    if sel.slowest:
-        slow = heapq.nlargest(sel.slowest, roots, key=lambda r: r.end_unix_ns - r.start_unix_ns)
-        picked += [r for r in slow if r not in picked]
-    return picked
-
-
-def explanations(read: Reader, sel: Selection) -> tuple[list[Explanation], int]:
-    """The journeys ``sel`` names, explained, and how many the files hold."""
-    roots, root_of = _pass1(read)
-    chosen = _chosen(roots, sel)
-    spans: dict[str, list[FileSpan]] = {r.span_id: [] for r in chosen}
-    full: dict[str, FileSpan] = {}
-    if spans:
-        for s in read(EXPLAIN_ATTRIBUTES):
-            if s.name == S.SPAN_REQUEST:
-                if s.span_id in spans:
-                    full[s.span_id] = s
-                continue
-            if s.name in _CHILDREN:
-                owner = s.parent_span_id
-            elif s.name in _GRANDCHILDREN:
-                owner = root_of.get(s.parent_span_id, ("", ""))[0]
-            else:
-                continue
-            if owner in spans:
-                spans[owner].append(s)
-    return [explain(full[r.span_id], spans[r.span_id]) for r in chosen], len(roots)
-
-
-@dataclass
-class FileShare:
-    """Where all the request-time of a file went, and who dominates each cause."""
-
-    journeys: int
-    total_ms: float
-    by_cause_ms: dict[str, float]
-    top: dict[str, list[tuple[str, float]]]  # cause -> [(request id, ms)], largest first
-
-    def to_dict(self) -> dict[str, Any]:
-        total = self.total_ms or 1.0
-        return {
-            "journeys": self.journeys,
-            "request_time_ms": self.total_ms,
-            "causes": [
-                {
-                    "cause": cause,
-                    "ms": ms,
-                    "share": ms / total,
-                    "top": [{"request_id": r, "ms": m} for r, m in self.top.get(cause, [])],
-                }
-                for cause, ms in sorted(self.by_cause_ms.items(), key=lambda kv: -kv[1])
-            ],
-        }
-
-
-class _Tally:
-    """One root's causes, added up span by span in any order (a few numbers)."""
-
-    __slots__ = ("causes", "first_start", "last_end")
-
-    def __init__(self) -> None:
-        self.causes: dict[str, float] = {}
-        self.first_start: int | None = None
-        self.last_end: int | None = None
-
-    def add(self, cause: str, ms: float) -> None:
-        self.causes[cause] = self.causes.get(cause, 0.0) + ms
-
-    def child(self, span: FileSpan) -> None:
-        if self.first_start is None or span.start_unix_ns < self.first_start:
-            self.first_start = span.start_unix_ns
-        if self.last_end is None or span.end_unix_ns > self.last_end:
-            self.last_end = span.end_unix_ns
-
-
-_AS_CAUSE = {S.SPAN_QUEUED: QUEUED, S.SPAN_PREEMPTED: PREEMPTED}
-
-
-def _tally(s: FileSpan, tallies: dict[str, _Tally], root_of: dict[str, tuple[str, str]]) -> None:
-    ms = _ms(s.end_unix_ns - s.start_unix_ns)
-    if s.name in _CHILDREN:
-        t = tallies.get(s.parent_span_id)
-        if t is not None:
-            t.child(s)
-            if s.name in _AS_CAUSE:
-                t.add(_AS_CAUSE[s.name], ms)
-        return
-    owner, kind = root_of.get(s.parent_span_id, ("", ""))
-    t = tallies.get(owner)
-    if t is None:
-        return
-    if s.name == S.SPAN_WAIT and kind in _AS_CAUSE:
-        t.add(WAIT + str(s.attributes.get(S.WAIT_REASON, "unknown")), ms)
-        t.add(_AS_CAUSE[kind], -ms)  # the wait is carved out of its parent
-    elif s.name == S.SPAN_PREFILL:
-        t.add(RECOMPUTE if kind == "resume" else PREFILL, ms)
-    elif s.name == S.SPAN_DECODE:
-        t.add(DECODE, ms)
-
-
-def file_share(read: Reader, top: int = 3) -> FileShare:
-    """Each cause's share of all request-time in the files, and its ``top`` largest
-    requests. Streaming: a few numbers per journey, whatever the spans' order."""
-    roots, root_of = _pass1(read)
-    tallies = {r.span_id: _Tally() for r in roots}
-    for s in read(frozenset({S.SPAN_WAIT})):
-        if s.name in _CHILDREN or s.name in _GRANDCHILDREN:
-            _tally(s, tallies, root_of)
-    by_cause: dict[str, float] = {}
-    heaps: dict[str, list[tuple[float, str]]] = {}
-    for r in roots:
-        t = tallies[r.span_id]
-        # As explain() does: only a stretch that is there.
-        if t.first_start is not None and t.first_start > r.start_unix_ns:
-            t.add(BEFORE, _ms(t.first_start - r.start_unix_ns))
-        if t.last_end is not None and r.end_unix_ns > t.last_end:
-            t.add(AFTER, _ms(r.end_unix_ns - t.last_end))
-        rid = r.request_id
-        for cause, ms in t.causes.items():
-            by_cause[cause] = by_cause.get(cause, 0.0) + ms
-            heap = heaps.setdefault(cause, [])
-            if len(heap) < top:
-                heapq.heappush(heap, (ms, rid))
-            elif (ms, rid) > heap[0]:
-                heapq.heapreplace(heap, (ms, rid))
-    total = sum(_ms(r.end_unix_ns - r.start_unix_ns) for r in roots)
-    tops = {c: [(rid, ms) for ms, rid in sorted(h, reverse=True)] for c, h in heaps.items()}
-    return FileShare(len(roots), total, by_cause, tops)

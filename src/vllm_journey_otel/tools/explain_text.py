@@ -8,22 +8,37 @@ the spans did not carry is written "not observed".
 
 from __future__ import annotations
 
+from vllm_journey_otel import schema as S
 from vllm_journey_otel.tools.explain import (
     AFTER,
+    API_AFTER,
+    API_BEFORE,
+    API_INPUT,
+    API_OUTPUT,
+    API_READ,
+    API_RENDER,
     BEFORE,
     DECODE,
+    ENGINE_HANDBACK,
+    ENGINE_INPUT,
     PREEMPTED,
     PREFILL,
     QUEUED,
     RECOMPUTE,
     WAIT,
     Explanation,
-    FileShare,
     label,
 )
+from vllm_journey_otel.tools.journey_files import FileShare
 
 WIDTH = 60  # characters of the waterfall's time axis
 _MARK = {
+    API_READ: "r",
+    API_RENDER: "t",
+    API_INPUT: "i",
+    ENGINE_INPUT: ">",
+    ENGINE_HANDBACK: "<",
+    API_OUTPUT: "o",
     BEFORE: ">",
     QUEUED: "q",
     PREFILL: "P",
@@ -119,26 +134,51 @@ def _details(e: Explanation) -> list[str]:
         lines.append(
             f"  decode {totals[DECODE]:.1f} ms: {_n(e.decode_tokens)} tokens, {rate}{spec}"
         )
-    for cause in (BEFORE, AFTER):
-        if cause in totals:
-            lines.append(f"  {label(cause)}: {totals[cause]:.1f} ms")
+    lines += _edges(e, totals)
+    return lines
+
+
+def _edges(e: Explanation, totals: dict[str, float]) -> list[str]:
+    """Before and after the engine: the API server's sides where the file has
+    them, else the engine root's own edges."""
+    if e.outermost != S.SPAN_API:
+        lines = [f"  {label(c)}: {totals[c]:.1f} ms" for c in (BEFORE, AFTER) if c in totals]
+        return [*lines, "  (no API-server spans in the file: the engine's part only)"]
+    parts = [f"{label(c)} {totals[c]:.1f}" for c in API_BEFORE if c in totals]
+    before = sum(totals.get(c, 0.0) for c in API_BEFORE)
+    lines = [f"  before the engine {before:.1f} ms: " + ("; ".join(parts) or NOT_OBSERVED)]
+    after = sum(totals.get(c, 0.0) for c in (*API_AFTER, AFTER))
+    parts = [f"{label(c)} {totals[c]:.1f}" for c in (*API_AFTER, AFTER) if c in totals]
+    lines.append(f"  after the engine {after:.1f} ms: " + ("; ".join(parts) or NOT_OBSERVED))
+    ttft = e.server_ttft_ms
+    lines.append(f"  server TTFT {NOT_OBSERVED if ttft is None else f'{ttft:.1f} ms'}")
+    if e.engine_after_response_ms is not None:
+        lines.append(
+            f"  the engine went on {e.engine_after_response_ms:.1f} ms after the last "
+            "response byte (the API server ended the request: a stop string, a client gone)"
+        )
+    if e.engine_requests > 1:
+        lines.append(f"  {e.engine_requests} engine requests (n>1): the one that ended last shown")
     return lines
 
 
 def format_journey(e: Explanation) -> str:
+    what = "the API server's" if e.outermost == S.SPAN_API else "the engine's"
     head = (
         f"{e.request_id or '(no request id)'}  trace {e.trace_id}  {e.status}, "
-        f"{e.e2e_ms:.1f} ms end to end; input {_n(e.input_tokens)} tokens "
-        f"({_n(e.cached_tokens)} cached), output {_n(e.output_tokens)}"
+        f"{e.e2e_ms:.1f} ms end to end ({what} {e.outermost}); input "
+        f"{_n(e.input_tokens)} tokens ({_n(e.cached_tokens)} cached), output {_n(e.output_tokens)}"
     )
     return "\n".join([head, *_headline(e), *_details(e), "  waterfall:", *waterfall(e)])
 
 
 def format_share(share: FileShare) -> str:
     d = share.to_dict()
+    api, engine = share.outermost.get(S.SPAN_API, 0), share.outermost.get(S.SPAN_REQUEST, 0)
     lines = [
-        f"{share.journeys} journeys, {share.total_ms / 1000:.2f} s of request-time in all; "
-        "where it went:"
+        f"{share.journeys} journeys, {share.total_ms / 1000:.2f} s of request-time in all "
+        f"({api} from the API server's {S.SPAN_API}, {engine} from the engine's "
+        f"{S.SPAN_REQUEST} alone); where it went:"
     ]
     for c in d["causes"]:
         top = ", ".join(f"{t['request_id']} {t['ms']:.1f} ms" for t in c["top"])

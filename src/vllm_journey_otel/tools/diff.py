@@ -1,0 +1,344 @@
+"""``vllm-journey diff BASE NEW``: what got slower between two runs, where, and for whom.
+
+Runs in the CLI's process (one thread). Figures are milliseconds (decode per
+token: ms per output token), from the spans' epoch-ns times through the same
+causes ``explain`` gives each journey (``tools/journey_files.py``), so a
+phase here is a cause there.
+
+Per phase (each cause, the server TTFT, end to end, decode per output token)
+and per group (model, LoRA adapter, DP rank, instance: where a file has more
+than one): each file's count and p50/p90/p99 and the change. Whether a
+quantile's change is beyond the noise of the two samples: each file's 95 %
+interval of that quantile from order statistics (distribution-free: the ranks
+n*q +- 1.96*sqrt(n*q*(1-q))), and the change counts only when the two
+intervals are apart. Whether the whole distribution shifted: the
+Mann-Whitney U rank test (normal approximation, ties corrected), its p-value.
+
+Missing is not zero: a journey contributes to a phase only where its spans
+observe that phase (an engine phase where the engine's phases are in the file,
+an API-server side where its ``vllm.api.*`` spans are); a journey that was
+observed and never preempted contributes 0 ms preempted.
+
+Memory: one float per journey and phase (``array('d')``), not the spans.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+from array import array
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_journey_otel.tools.explain import (
+    AFTER,
+    API_AFTER,
+    API_BEFORE,
+    API_INPUT,
+    API_READ,
+    API_RENDER,
+    BEFORE,
+    CAUSES,
+    DECODE,
+    WAIT,
+    label,
+)
+from vllm_journey_otel.tools.journey_files import GROUPS, JourneyCauses, Reader, journey_causes
+from vllm_journey_otel.tools.summary import percentile
+
+E2E = "e2e"
+TTFT = "ttft"
+DECODE_PER_TOKEN = "decode_per_token"
+QUANTILES = (50, 90, 99)
+_API_CAUSES = frozenset((*API_BEFORE, *API_AFTER))
+_EDGE_CAUSES = frozenset((BEFORE, AFTER))
+_SPLIT = (API_READ, API_RENDER)  # the input side's parts, where vLLM's stamp splits it
+_DERIVED_LABELS = {
+    API_INPUT: "API server's input side",
+    E2E: "end to end",
+    TTFT: "server TTFT",
+    DECODE_PER_TOKEN: "decode per token",
+}
+Z95 = 1.96
+NAN = float("nan")
+
+
+def phase_label(phase: str) -> str:
+    return _DERIVED_LABELS.get(phase) or label(phase)
+
+
+def _applies(cause: str, jc: JourneyCauses) -> bool:
+    """The journey's spans observe this cause (0 ms then means 0 ms)."""
+    if cause in _API_CAUSES:
+        return jc.journey.api is not None
+    if cause in _EDGE_CAUSES:
+        return jc.journey.api is None and jc.phases_observed
+    return jc.phases_observed
+
+
+class Sample:
+    """One file's figures: per phase, one value per journey (NaN: not observed),
+    and each journey's group values."""
+
+    def __init__(self, journeys: Iterable[JourneyCauses], count: int) -> None:
+        self.count = count
+        self.values: dict[str, array[float]] = {}
+        self.groups: list[list[str]] = [[] for _ in GROUPS]
+        observed = array("b")  # the engine's phases are in the file
+        for jc in journeys:
+            figures = self._figures(jc)
+            for phase in figures.keys() - self.values.keys():
+                # A phase first seen now (a wait reason): the journeys before it
+                # that were observed spent 0 ms in it.
+                self.values[phase] = array(
+                    "d", (0.0 if o and phase.startswith(WAIT) else NAN for o in observed)
+                )
+            for phase, column in self.values.items():
+                column.append(figures.get(phase, NAN))
+            observed.append(1 if jc.phases_observed else 0)
+            engine = jc.journey.engine
+            for i, value in enumerate(engine.groups if engine else ("",) * len(GROUPS)):
+                self.groups[i].append(value)
+
+    @staticmethod
+    def _figures(jc: JourneyCauses) -> dict[str, float]:
+        j = jc.journey
+        out = {E2E: j.e2e_ms}
+        if j.ttft_ms is not None:
+            out[TTFT] = j.ttft_ms
+        for cause in CAUSES:
+            if _applies(cause, jc) and cause not in _SPLIT:
+                out[cause] = jc.causes.get(cause, 0.0)
+        if j.api is not None:
+            # The input side whole (its split into read and render only where observed).
+            out[API_INPUT] = sum(jc.causes.get(c, 0.0) for c in (*_SPLIT, API_INPUT))
+            for c in _SPLIT:
+                if c in jc.causes:
+                    out[c] = jc.causes[c]
+        for cause, ms in jc.causes.items():
+            if cause.startswith(WAIT):
+                out[cause] = ms
+        tokens = j.engine.output_tokens if j.engine else None
+        if jc.causes.get(DECODE) and tokens is not None and tokens > 1:
+            out[DECODE_PER_TOKEN] = jc.causes[DECODE] / (tokens - 1)
+        return out
+
+    def sorted_values(self, phase: str, group: tuple[int, str] | None = None) -> list[float]:
+        column = self.values.get(phase, array("d"))
+        if group is None:
+            vals = [v for v in column if v == v]
+        else:
+            keys = self.groups[group[0]]
+            vals = [v for v, k in zip(column, keys, strict=True) if k == group[1] and v == v]
+        vals.sort()
+        return vals
+
+
+def from_reader(read: Reader) -> Sample:
+    each, count = journey_causes(read)
+    return Sample(each, count)
+
+
+def quantile_interval(sorted_values: list[float], q: float) -> tuple[float, float]:
+    """A distribution-free 95 % interval of the q-quantile (q in 0..1): the order
+    statistics at ranks n*q -+ 1.96*sqrt(n*q*(1-q)), clamped to the sample."""
+    n = len(sorted_values)
+    half = Z95 * math.sqrt(n * q * (1 - q))
+    lo = max(0, math.floor(n * q - half))
+    hi = min(n - 1, math.ceil(n * q + half))
+    return sorted_values[lo], sorted_values[hi]
+
+
+def mann_whitney_p(a: list[float], b: list[float]) -> float:
+    """Two-sided p-value of the Mann-Whitney U test (normal approximation with
+    the tie correction): how likely a shift this large is between two samples
+    of one distribution."""
+    n1, n2 = len(a), len(b)
+    if n1 == 0 or n2 == 0:
+        return NAN
+    merged = sorted([(v, 0) for v in a] + [(v, 1) for v in b])
+    n = n1 + n2
+    rank_b = 0.0
+    ties = 0.0
+    i = 0
+    while i < n:
+        j = i
+        while j + 1 < n and merged[j + 1][0] == merged[i][0]:
+            j += 1
+        t = j - i + 1
+        mid = (i + j) / 2 + 1
+        rank_b += mid * sum(1 for k in range(i, j + 1) if merged[k][1] == 1)
+        ties += t**3 - t
+        i = j + 1
+    u = rank_b - n2 * (n2 + 1) / 2
+    var = n1 * n2 / 12 * ((n + 1) - ties / (n * (n - 1))) if n > 1 else 0.0
+    if var <= 0:
+        return 1.0
+    z = (u - n1 * n2 / 2) / math.sqrt(var)
+    return math.erfc(abs(z) / math.sqrt(2))
+
+
+@dataclass
+class QuantileChange:
+    q: int
+    base: float
+    new: float
+    beyond_noise: bool
+
+    @property
+    def change(self) -> float:
+        return self.new - self.base
+
+    @property
+    def relative(self) -> float | None:
+        """The change over the base (None: a base of 0 and a change)."""
+        if self.base == 0:
+            return 0.0 if self.new == 0 else None
+        return self.change / self.base
+
+
+@dataclass
+class PhaseDiff:
+    phase: str
+    base_n: int
+    new_n: int
+    quantiles: list[QuantileChange] = field(default_factory=list)
+    shift_p: float = NAN
+
+    def at(self, q: int) -> QuantileChange | None:
+        return next((c for c in self.quantiles if c.q == q), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "phase": self.phase,
+            "label": phase_label(self.phase),
+            "count": [self.base_n, self.new_n],
+            "quantiles": {
+                f"p{c.q}": {
+                    "base": c.base,
+                    "new": c.new,
+                    "change": c.change,
+                    "relative": c.relative,
+                    "beyond_noise": c.beyond_noise,
+                }
+                for c in self.quantiles
+            },
+            "shift_p": None if math.isnan(self.shift_p) else self.shift_p,
+        }
+
+
+def compare_values(phase: str, base: list[float], new: list[float]) -> PhaseDiff:
+    d = PhaseDiff(phase, len(base), len(new))
+    if base and new:
+        for q in QUANTILES:
+            blo, bhi = quantile_interval(base, q / 100)
+            nlo, nhi = quantile_interval(new, q / 100)
+            apart = nlo > bhi or nhi < blo
+            d.quantiles.append(QuantileChange(q, percentile(base, q), percentile(new, q), apart))
+        d.shift_p = mann_whitney_p(base, new)
+    return d
+
+
+def _tail_move(d: PhaseDiff) -> float:
+    c = d.at(99)
+    return abs(c.change) if c is not None else -1.0
+
+
+@dataclass
+class Diff:
+    base: Sample
+    new: Sample
+    phases: list[PhaseDiff]  # e2e and TTFT first, then by how far each moved p99
+    groups: dict[str, dict[str, list[PhaseDiff]]]  # dimension -> value -> e2e, TTFT
+
+    def phase(self, name: str) -> PhaseDiff | None:
+        return next((p for p in self.phases if p.phase == name), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "journeys": [self.base.count, self.new.count],
+            "phases": [p.to_dict() for p in self.phases],
+            "groups": {
+                dim: {v: [p.to_dict() for p in ps] for v, ps in values.items()}
+                for dim, values in self.groups.items()
+            },
+        }
+
+
+def diff(base: Sample, new: Sample) -> Diff:
+    names = base.values.keys() | new.values.keys()
+    phases = [compare_values(p, base.sorted_values(p), new.sorted_values(p)) for p in names]
+    head = [p for k in (E2E, TTFT) for p in phases if p.phase == k]
+    rest = sorted((p for p in phases if p not in head), key=_tail_move, reverse=True)
+    groups: dict[str, dict[str, list[PhaseDiff]]] = {}
+    for i, dim in enumerate(GROUPS):
+        values = sorted(set(base.groups[i]) | set(new.groups[i]))
+        if len(values) < 2:
+            continue  # one model, one rank...: the whole is the group
+        groups[dim] = {
+            v: [
+                compare_values(p, base.sorted_values(p, (i, v)), new.sorted_values(p, (i, v)))
+                for p in (E2E, TTFT)
+            ]
+            for v in values
+        }
+    return Diff(base, new, head + rest, groups)
+
+
+# ---------------------------------------------------------------------------
+# --fail-if rules: PHASE.pQ OP CHANGE, e.g. "queued.p99 > +20%", "e2e.p50 > 5ms"
+# ---------------------------------------------------------------------------
+_RULE = re.compile(
+    r"^\s*(?P<phase>[a-z_][a-z0-9_:]*)\.p(?P<q>\d+)\s*(?P<op>>=|<=|>|<)\s*"
+    r"(?P<value>[+-]?\d+(?:\.\d+)?)\s*(?P<unit>%|ms)\s*$"
+)
+_OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
+
+
+@dataclass(frozen=True)
+class Rule:
+    text: str
+    phase: str
+    q: int
+    op: str
+    value: float
+    relative: bool  # %: the change over the base; ms: the change itself
+
+    def check(self, d: Diff) -> str | None:
+        """Why the rule fails, or None when it holds. It fails on a change that
+        meets it and is beyond the noise, or when it cannot be evaluated (the
+        phase is not observed in one of the files): a gate must not pass blind."""
+        p = d.phase(self.phase)
+        c = p.at(self.q) if p is not None else None
+        if c is None:
+            return f"{self.text}: {self.phase} is not observed in both files"
+        change = c.relative if self.relative else c.change
+        if change is None:  # from 0 to something: an infinite relative change
+            change = math.inf if c.change > 0 else -math.inf
+        shown = f"{100 * change:+.1f}%" if self.relative else f"{change:+.2f} ms"
+        if _OPS[self.op](change * (100 if self.relative else 1), self.value) and c.beyond_noise:
+            return (
+                f"{self.text}: p{self.q} {c.base:.2f} -> {c.new:.2f} ms ({shown}), beyond the noise"
+            )
+        return None
+
+
+def parse_rule(text: str) -> Rule:
+    m = _RULE.match(text)
+    if m is None:
+        raise ValueError(
+            f"--fail-if {text!r}: expected PHASE.pQ OP CHANGE, e.g. 'queued.p99 > +20%' "
+            "or 'e2e.p50 > 5ms' (OP one of > >= < <=; CHANGE in % or ms)"
+        )
+    phase, q = m["phase"], int(m["q"])
+    if q not in QUANTILES:
+        raise ValueError(f"--fail-if {text!r}: quantile p{q}: use one of p50, p90, p99")
+    known = {*CAUSES, E2E, TTFT, DECODE_PER_TOKEN}
+    if phase not in known and not phase.startswith(WAIT):
+        raise ValueError(
+            f"--fail-if {text!r}: unknown phase {phase!r}; phases: {', '.join(sorted(known))}, "
+            "wait:<reason>"
+        )
+    return Rule(text, phase, q, m["op"], float(m["value"]), m["unit"] == "%")
