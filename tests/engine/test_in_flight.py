@@ -24,6 +24,7 @@ from vllm_journey_otel.config import Config
 from vllm_journey_otel.engine import hooks, in_flight
 from vllm_journey_otel.export.file_exporter import OtlpJsonFileExporter
 from vllm_journey_otel.tools.summary import SUMMARY_ATTRIBUTES, format_text, summarize
+from vllm_journey_otel.tools.timeline import collect, render
 from vllm_journey_otel.tools.tracefile import read_spans
 
 pytestmark = requires_vllm
@@ -113,6 +114,13 @@ def test_a_request_waiting_for_its_grammar_is_seen_before_it_ends(
         "ended": True,
     }
     assert "seen in flight past the threshold" in format_text(d)
+    # The timeline marks each snapshot on the request's row, where it was taken.
+    rows, _ = collect(lambda attributes_of: read_spans([path], attributes_of=attributes_of))
+    (row,) = [r for r in rows if r.attrs.get(S.REQUEST_ID) == "stuck"]
+    ticks = sorted(end for kind, start, end, _ in row.segments if kind == "snapshot")
+    assert ticks == sorted(s.end_time for s in _snapshots(watched, "stuck"))
+    assert all(start == end for kind, start, end, _ in row.segments if kind == "snapshot")
+    assert "in-flight snapshot" in render(rows, 1)
 
 
 def test_a_long_decode_is_seen_running(watched: InMemorySpanExporter) -> None:

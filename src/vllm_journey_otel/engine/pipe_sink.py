@@ -231,9 +231,7 @@ class PipeSink:
 
     @property
     def replacing(self) -> bool:
-        return (
-            self._recipe is not None and not self._closing and len(self._fds) < self.wanted
-        )
+        return self._recipe is not None and not self._closing and len(self._fds) < self.wanted
 
     @property
     def pending(self) -> bool:

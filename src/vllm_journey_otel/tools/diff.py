@@ -11,8 +11,12 @@ than one): each file's count and p50/p90/p99 and the change. Whether a
 quantile's change is beyond the noise of the two samples: each file's 95 %
 interval of that quantile from order statistics (distribution-free: the ranks
 n*q +- 1.96*sqrt(n*q*(1-q))), and the change counts only when the two
-intervals are apart. Whether the whole distribution shifted: the
-Mann-Whitney U rank test (normal approximation, ties corrected), its p-value.
+intervals are apart; where a rank falls outside a sample the quantile is not
+resolved (too few journeys), never called beyond the noise. Whether the whole
+distribution shifted: the Mann-Whitney U rank test (normal approximation, tie
+and continuity corrections), its p-value. Both measure sampling noise only:
+two runs on a noisy machine also differ by the machine (an A/A pair of runs
+shows how much).
 
 Missing is not zero: a journey contributes to a phase only where its spans
 observe that phase (an engine phase where the engine's phases are in the file,
@@ -52,6 +56,7 @@ E2E = "e2e"
 TTFT = "ttft"
 DECODE_PER_TOKEN = "decode_per_token"
 QUANTILES = (50, 90, 99)
+TOTALS = (E2E, TTFT)  # whole-request figures, listed first
 _API_CAUSES = frozenset((*API_BEFORE, *API_AFTER))
 _EDGE_CAUSES = frozenset((BEFORE, AFTER))
 _SPLIT = (API_READ, API_RENDER)  # the input side's parts, where vLLM's stamp splits it
@@ -143,18 +148,22 @@ def from_reader(read: Reader) -> Sample:
 
 def quantile_interval(sorted_values: list[float], q: float) -> tuple[float, float]:
     """A distribution-free 95 % interval of the q-quantile (q in 0..1): the order
-    statistics at ranks n*q -+ 1.96*sqrt(n*q*(1-q)), clamped to the sample."""
+    statistics at ranks n*q -+ 1.96*sqrt(n*q*(1-q)). A rank outside the sample
+    leaves that side open (-inf or inf): too few values to bound it (a p99 needs
+    about 560, a p90 about 55, a p50 about 8)."""
     n = len(sorted_values)
     half = Z95 * math.sqrt(n * q * (1 - q))
-    lo = max(0, math.floor(n * q - half))
-    hi = min(n - 1, math.ceil(n * q + half))
-    return sorted_values[lo], sorted_values[hi]
+    lo, hi = math.floor(n * q - half), math.ceil(n * q + half)
+    return (
+        sorted_values[lo] if lo >= 0 else -math.inf,
+        sorted_values[hi] if hi <= n - 1 else math.inf,
+    )
 
 
 def mann_whitney_p(a: list[float], b: list[float]) -> float:
     """Two-sided p-value of the Mann-Whitney U test (normal approximation with
-    the tie correction): how likely a shift this large is between two samples
-    of one distribution."""
+    the tie and continuity corrections): how likely a shift this large is
+    between two samples of one distribution."""
     n1, n2 = len(a), len(b)
     if n1 == 0 or n2 == 0:
         return NAN
@@ -176,8 +185,9 @@ def mann_whitney_p(a: list[float], b: list[float]) -> float:
     var = n1 * n2 / 12 * ((n + 1) - ties / (n * (n - 1))) if n > 1 else 0.0
     if var <= 0:
         return 1.0
-    z = (u - n1 * n2 / 2) / math.sqrt(var)
-    return math.erfc(abs(z) / math.sqrt(2))
+    # With the continuity correction: U moves in steps of 1 (scipy's default too).
+    z = max(0.0, abs(u - n1 * n2 / 2) - 0.5) / math.sqrt(var)
+    return math.erfc(z / math.sqrt(2))
 
 
 @dataclass
@@ -185,7 +195,8 @@ class QuantileChange:
     q: int
     base: float
     new: float
-    beyond_noise: bool
+    beyond_noise: bool  # the two files' intervals of this quantile are apart
+    resolved: bool = True  # both intervals are bounded: enough journeys to tell
 
     @property
     def change(self) -> float:
@@ -222,6 +233,7 @@ class PhaseDiff:
                     "change": c.change,
                     "relative": c.relative,
                     "beyond_noise": c.beyond_noise,
+                    "resolved": c.resolved,
                 }
                 for c in self.quantiles
             },
@@ -236,13 +248,20 @@ def compare_values(phase: str, base: list[float], new: list[float]) -> PhaseDiff
             blo, bhi = quantile_interval(base, q / 100)
             nlo, nhi = quantile_interval(new, q / 100)
             apart = nlo > bhi or nhi < blo
-            d.quantiles.append(QuantileChange(q, percentile(base, q), percentile(new, q), apart))
+            resolved = all(math.isfinite(v) for v in (blo, bhi, nlo, nhi))
+            c = QuantileChange(q, percentile(base, q), percentile(new, q), apart, resolved)
+            d.quantiles.append(c)
         d.shift_p = mann_whitney_p(base, new)
     return d
 
 
+def tail(d: PhaseDiff) -> QuantileChange | None:
+    """The highest quantile both files have enough journeys to bound."""
+    return next((c for c in reversed(d.quantiles) if c.resolved), None)
+
+
 def _tail_move(d: PhaseDiff) -> float:
-    c = d.at(99)
+    c = tail(d)
     return abs(c.change) if c is not None else -1.0
 
 
@@ -250,7 +269,7 @@ def _tail_move(d: PhaseDiff) -> float:
 class Diff:
     base: Sample
     new: Sample
-    phases: list[PhaseDiff]  # e2e and TTFT first, then by how far each moved p99
+    phases: list[PhaseDiff]  # e2e and TTFT first, then by how far each moved its tail
     groups: dict[str, dict[str, list[PhaseDiff]]]  # dimension -> value -> e2e, TTFT
 
     def phase(self, name: str) -> PhaseDiff | None:
@@ -270,7 +289,7 @@ class Diff:
 def diff(base: Sample, new: Sample) -> Diff:
     names = base.values.keys() | new.values.keys()
     phases = [compare_values(p, base.sorted_values(p), new.sorted_values(p)) for p in names]
-    head = [p for k in (E2E, TTFT) for p in phases if p.phase == k]
+    head = [p for k in TOTALS for p in phases if p.phase == k]
     rest = sorted((p for p in phases if p not in head), key=_tail_move, reverse=True)
     groups: dict[str, dict[str, list[PhaseDiff]]] = {}
     for i, dim in enumerate(GROUPS):
@@ -280,7 +299,7 @@ def diff(base: Sample, new: Sample) -> Diff:
         groups[dim] = {
             v: [
                 compare_values(p, base.sorted_values(p, (i, v)), new.sorted_values(p, (i, v)))
-                for p in (E2E, TTFT)
+                for p in TOTALS
             ]
             for v in values
         }
@@ -309,11 +328,17 @@ class Rule:
     def check(self, d: Diff) -> str | None:
         """Why the rule fails, or None when it holds. It fails on a change that
         meets it and is beyond the noise, or when it cannot be evaluated (the
-        phase is not observed in one of the files): a gate must not pass blind."""
+        phase is not observed in one of the files, or too few journeys to bound
+        that quantile): a gate must not pass blind."""
         p = d.phase(self.phase)
         c = p.at(self.q) if p is not None else None
-        if c is None:
+        if c is None or p is None:
             return f"{self.text}: {self.phase} is not observed in both files"
+        if not c.resolved:
+            return (
+                f"{self.text}: {p.base_n} and {p.new_n} journeys are too few to tell a "
+                f"change of p{self.q} from noise; use a lower quantile or more journeys"
+            )
         change = c.relative if self.relative else c.change
         if change is None:  # from 0 to something: an infinite relative change
             change = math.inf if c.change > 0 else -math.inf

@@ -11,14 +11,17 @@ import html
 
 from vllm_journey_otel.tools.diff import (
     DECODE_PER_TOKEN,
+    TOTALS,
     Diff,
     PhaseDiff,
     QuantileChange,
     Sample,
     phase_label,
+    tail,
 )
 
 NOISE_MARK = "*"
+UNRESOLVED_MARK = "?"
 
 
 def _rel(c: QuantileChange) -> str:
@@ -29,7 +32,7 @@ def _rel(c: QuantileChange) -> str:
 def _cell(c: QuantileChange | None) -> str:
     if c is None:
         return f"{'not observed':>30}"
-    mark = NOISE_MARK if c.beyond_noise else " "
+    mark = NOISE_MARK if c.beyond_noise else " " if c.resolved else UNRESOLVED_MARK
     return f"{c.base:9.1f} -> {c.new:9.1f} {_rel(c):>6}{mark}"
 
 
@@ -40,16 +43,18 @@ def _row(p: PhaseDiff, name: str | None = None) -> str:
 
 
 def headline(d: Diff) -> str:
-    """The phase (not a total) whose p99 moved most, beyond the noise."""
-    for p in d.phases[2:] if len(d.phases) > 2 else []:
-        c = p.at(99)
-        if c is not None and c.beyond_noise and c.change != 0:
-            way = "slower" if c.change > 0 else "faster"
-            return (
-                f"The tail moved most in {phase_label(p.phase)}: p99 {c.base:.1f} -> "
-                f"{c.new:.1f} ms ({_rel(c)}, {way})."
-            )
-    return "No phase's p99 moved beyond the noise."
+    """The phase (not a total) whose tail (its highest resolved quantile) moved
+    most, beyond the noise."""
+    for p in d.phases:
+        c = tail(p)
+        if p.phase in TOTALS or c is None or not c.beyond_noise or c.change == 0:
+            continue
+        way = "slower" if c.change > 0 else "faster"
+        return (
+            f"Moved most at the highest quantile these journeys bound: {phase_label(p.phase)} "
+            f"p{c.q} {c.base:.1f} -> {c.new:.1f} ms ({_rel(c)}, {way})."
+        )
+    return "No phase moved beyond the noise at the highest quantile these journeys bound."
 
 
 def format_text(d: Diff, base_name: str, new_name: str, failures: list[str]) -> str:
@@ -67,7 +72,8 @@ def format_text(d: Diff, base_name: str, new_name: str, failures: list[str]) -> 
             lines += [_row(p, f"{value or '(none)'}: {phase_label(p.phase)}") for p in phases]
     lines.append(
         f"{NOISE_MARK} beyond the noise: the two files' 95% intervals of that quantile "
-        "(order statistics) are apart. shift p: Mann-Whitney U test of the whole distribution. "
+        f"(order statistics) are apart; {UNRESOLVED_MARK} too few journeys to bound that "
+        "quantile. shift p: Mann-Whitney U test of the whole distribution. "
         f"{phase_label(DECODE_PER_TOKEN)}: ms per output token after the first."
     )
     lines += [f"FAILED {f}" for f in failures]

@@ -150,6 +150,11 @@ class Explanation:
     server_ttft_ms: float | None = None
     # Engine requests under the API request (n>1: the one that ended last is shown).
     engine_requests: int = 1
+    # The API server's input and output sides as their spans say (they can
+    # overlap the engine's phases: a request admitted before the API server's
+    # hand-off returned; the causes give that stretch to the engine).
+    api_input_ms: float | None = None
+    api_output_ms: float | None = None
     # The engine's phases went on this long after the last response byte (the
     # API server ended the request itself: a stop string, a client gone).
     engine_after_response_ms: float | None = None
@@ -175,6 +180,8 @@ class Explanation:
             "outermost": self.outermost,
             "server_ttft_ms": self.server_ttft_ms,
             "engine_requests": self.engine_requests,
+            "api_input_ms": self.api_input_ms,
+            "api_output_ms": self.api_output_ms,
             "engine_after_response_ms": self.engine_after_response_ms,
             "status": self.status,
             "e2e_ms": self.e2e_ms,
@@ -235,6 +242,21 @@ class ApiSides(NamedTuple):
     output_start: int | None  # vllm.api.output's start; None: no output side
     request_ids: tuple[str, ...] = ()
     engine_requests: int = 1
+
+
+def api_sides(
+    root: FileSpan, inp: FileSpan | None, out: FileSpan | None, engine_requests: int = 1
+) -> ApiSides:
+    """The API server's part from its spans: root, input side, output side."""
+    read_ms = None if inp is None else inp.attributes.get(S.API_READ_MS)
+    ttft = root.attributes.get(S.API_TTFT_MS)
+    ids = root.attributes.get(S.API_REQUEST_IDS) or ()
+    return ApiSides(
+        root.span_id, root.trace_id, root.start_unix_ns, root.end_unix_ns,
+        None if ttft is None else float(ttft), None if read_ms is None else float(read_ms),
+        None if inp is None else inp.end_unix_ns, None if out is None else out.start_unix_ns,
+        tuple(str(i) for i in ids), engine_requests,
+    )  # fmt: skip
 
 
 class Bounds(NamedTuple):
@@ -342,6 +364,10 @@ def explain(
         e.outermost = S.SPAN_API
         e.server_ttft_ms = api.ttft_ms
         e.engine_requests = api.engine_requests
+        if api.handoff is not None:
+            e.api_input_ms = _ms(max(api.handoff, t0) - t0)
+        if api.output_start is not None:
+            e.api_output_ms = _ms(end - min(api.output_start, end))
     bounds = Bounds(
         t0,
         end,

@@ -147,6 +147,16 @@ def _edges(e: Explanation, totals: dict[str, float]) -> list[str]:
     parts = [f"{label(c)} {totals[c]:.1f}" for c in API_BEFORE if c in totals]
     before = sum(totals.get(c, 0.0) for c in API_BEFORE)
     lines = [f"  before the engine {before:.1f} ms: " + ("; ".join(parts) or NOT_OBSERVED)]
+    for side, ms, causes in (
+        ("input", e.api_input_ms, (API_READ, API_RENDER, API_INPUT)),
+        ("output", e.api_output_ms, (API_OUTPUT,)),
+    ):
+        overlap = None if ms is None else ms - sum(totals.get(c, 0.0) for c in causes)
+        if overlap is not None and overlap > 0.001:
+            lines.append(
+                f"    the API server's {side} side ({ms:.1f} ms) overlapped the engine's "
+                f"phases by {overlap:.1f} ms (counted there)"
+            )
     after = sum(totals.get(c, 0.0) for c in (*API_AFTER, AFTER))
     parts = [f"{label(c)} {totals[c]:.1f}" for c in (*API_AFTER, AFTER) if c in totals]
     lines.append(f"  after the engine {after:.1f} ms: " + ("; ".join(parts) or NOT_OBSERVED))

@@ -1,7 +1,9 @@
 """A self-contained HTML timeline of journeys: one row per request, its phases over time.
 
-Rows show queued, each scheduled cycle's prefill and decode, and each preemption,
-on one shared time axis. Hover a segment for its attributes; click a request id
+Rows show the whole journey where the file has the API server's spans (its
+input and output sides, from receipt to the last byte), queued, each scheduled
+cycle's prefill and decode, each preemption, and in-flight snapshots (a tick
+where each was taken), on one shared time axis. Hover a segment for its attributes; click a request id
 for its explanation (``tools/explain.py``: where its time went, each preemption's
 cause); zoom with the slider or the mouse wheel; filter to preempted, aborted or
 slow requests, or by request id; ``#request=ID`` in the address scrolls to a
@@ -20,10 +22,16 @@ import html
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm_journey_otel import schema as S
-from vllm_journey_otel.tools.explain import EXPLAIN_ATTRIBUTES, Explanation, explain, label
+from vllm_journey_otel.tools.explain import (
+    EXPLAIN_ATTRIBUTES,
+    Explanation,
+    api_sides,
+    explain,
+    label,
+)
 from vllm_journey_otel.tools.tracefile import FileSpan
 
 _PHASES = {
@@ -33,7 +41,14 @@ _PHASES = {
     S.SPAN_PREEMPTED: "preempted",
     # Inside a queued or preempted span: drawn over it, thinner.
     S.SPAN_WAIT: "wait",
+    # The API server's two sides, around the engine's part.
+    S.SPAN_API_INPUT: "api_input",
+    S.SPAN_API_OUTPUT: "api_output",
+    # An in-flight snapshot: a tick where it was taken (its span's end).
+    S.SPAN_IN_FLIGHT: "snapshot",
 }
+_API_SIDES = (S.SPAN_API_INPUT, S.SPAN_API_OUTPUT)
+_PASS2 = EXPLAIN_ATTRIBUTES | {S.SPAN_API, S.SPAN_IN_FLIGHT, *_API_SIDES}
 _ROOT_KEYS = (
     S.REQUEST_ID,
     S.FINISH_STATUS,
@@ -55,61 +70,115 @@ DEFAULT_LIMIT = 10_000
 @dataclass
 class _Row:
     trace_id: str
-    start: int
+    start: int  # the outermost span's: vllm.api.request where the file has it
     end: int
     attrs: dict[str, Any]
     segments: list[tuple[str, int, int, dict[str, Any]]] = field(default_factory=list)
     root: FileSpan | None = None
     # Every span below the root, for its explanation.
     spans: list[FileSpan] = field(default_factory=list)
+    # The API server's part: vllm.api.request, vllm.api.input, vllm.api.output.
+    api: dict[str, FileSpan] = field(default_factory=dict)
 
     def explanation(self) -> Explanation | None:
-        return None if self.root is None else explain(self.root, self.spans)
+        if self.root is None:
+            return None
+        a = self.api
+        sides = None
+        if S.SPAN_API in a:
+            sides = api_sides(a[S.SPAN_API], a.get(S.SPAN_API_INPUT), a.get(S.SPAN_API_OUTPUT))
+        return explain(self.root, self.spans, sides)
+
+
+class _Ranked(NamedTuple):
+    """Pass 1's few numbers of an engine root."""
+
+    span_id: str
+    parent: str
+    start: int
+    end: int
+
+
+def _pass1(
+    read: Callable[[frozenset[str] | None], Iterable[FileSpan]],
+) -> tuple[list[_Ranked], dict[str, tuple[int, int]], dict[str, str]]:
+    """Engine roots, API roots (span id -> start, end) and which root each
+    phase's parent (a cycle, queued or preempted span) belongs to."""
+    roots: list[_Ranked] = []
+    apis: dict[str, tuple[int, int]] = {}
+    cycle_root: dict[str, str] = {}
+    for s in read(frozenset()):
+        if s.name == S.SPAN_REQUEST:
+            roots.append(_Ranked(s.span_id, s.parent_span_id, s.start_unix_ns, s.end_unix_ns))
+        elif s.name == S.SPAN_API:
+            apis[s.span_id] = (s.start_unix_ns, s.end_unix_ns)
+        elif s.name in (S.SPAN_SCHEDULED, S.SPAN_QUEUED, S.SPAN_PREEMPTED):
+            cycle_root[s.span_id] = s.parent_span_id
+    return roots, apis, cycle_root
 
 
 def collect(
     read: Callable[[frozenset[str] | None], Iterable[FileSpan]], limit: int = DEFAULT_LIMIT
 ) -> tuple[list[_Row], int]:
-    """Journeys (slowest ``limit`` of them) and how many there were in all.
+    """Journeys (slowest ``limit`` of them, by their outermost span) and how many
+    there were in all.
 
     Two passes over the file(s), so memory stays bounded by a few numbers per
     journey plus the drawn rows: ``read(attributes_of)`` must return a fresh span
     iterator each time. Pass 1 ranks the roots and maps cycles to roots; pass 2
-    keeps the phases of the drawn rows only.
+    keeps the spans of the drawn rows only.
     """
-    heap: list[tuple[int, str, _Row]] = []  # (duration, root span id, row), min-heap
-    # vllm.scheduled / vllm.queued / vllm.preempted span id -> root span id (their
-    # children, phases and waits, are drawn on the root's row)
-    cycle_root: dict[str, str] = {}
-    total = 0
-    for s in read(frozenset({S.SPAN_REQUEST})):
-        if s.name == S.SPAN_REQUEST:
-            total += 1
-            item = (
-                s.end_unix_ns - s.start_unix_ns,
-                s.span_id,
-                _Row(s.trace_id, s.start_unix_ns, s.end_unix_ns, s.attributes, root=s),
-            )
-            if len(heap) < limit:
-                heapq.heappush(heap, item)
-            elif item[0] > heap[0][0]:
-                heapq.heapreplace(heap, item)
-        elif s.name in (S.SPAN_SCHEDULED, S.SPAN_QUEUED, S.SPAN_PREEMPTED):
-            cycle_root[s.span_id] = s.parent_span_id
-    rows = {span_id: row for _, span_id, row in heap}
+    roots, apis, cycle_root = _pass1(read)
+
+    def outer(r: _Ranked) -> tuple[int, int]:
+        return apis.get(r.parent, (r.start, r.end))
+
+    chosen = heapq.nlargest(limit, roots, key=lambda r: outer(r)[1] - outer(r)[0])
+    rows: dict[str, _Row] = {}
+    by_api: dict[str, _Row] = {}
+    for r in chosen:
+        start, end = outer(r)
+        rows[r.span_id] = _Row("", start, end, {})
+        if r.parent in apis:
+            by_api[r.parent] = rows[r.span_id]
     if rows:
-        for s in read(EXPLAIN_ATTRIBUTES):
-            if s.name not in _PHASES and s.name != S.SPAN_SCHEDULED:
-                continue
-            row = rows.get(cycle_root.get(s.parent_span_id, s.parent_span_id))
-            if row is None:
-                continue
-            row.spans.append(s)
-            kind = _PHASES.get(s.name)
-            if kind is not None:
-                row.segments.append((kind, s.start_unix_ns, s.end_unix_ns, s.attributes))
+        for s in read(_PASS2):
+            _place(s, rows, by_api, cycle_root)
     ordered = sorted(rows.values(), key=lambda r: r.start)
-    return ordered, total
+    return ordered, len(roots)
+
+
+def _place(
+    s: FileSpan, rows: dict[str, _Row], by_api: dict[str, _Row], cycle_root: dict[str, str]
+) -> None:
+    """Pass 2: one span onto its drawn row, if it has one."""
+    if s.name == S.SPAN_REQUEST:
+        row = rows.get(s.span_id)
+        if row is not None:
+            row.root, row.attrs, row.trace_id = s, s.attributes, row.trace_id or s.trace_id
+        return
+    if s.name == S.SPAN_API:
+        row = by_api.get(s.span_id)
+        if row is not None:
+            row.api[s.name], row.trace_id = s, s.trace_id
+        return
+    if s.name in _API_SIDES:
+        row = by_api.get(s.parent_span_id)
+        if row is None:
+            return
+        row.api[s.name] = s
+    elif s.name in _PHASES or s.name == S.SPAN_SCHEDULED:
+        row = rows.get(cycle_root.get(s.parent_span_id, s.parent_span_id))
+        if row is None:
+            return
+        if s.name != S.SPAN_IN_FLIGHT:
+            row.spans.append(s)
+    else:
+        return
+    kind = _PHASES.get(s.name)
+    if kind is not None:
+        start = s.end_unix_ns if s.name == S.SPAN_IN_FLIGHT else s.start_unix_ns
+        row.segments.append((kind, start, s.end_unix_ns, s.attributes))
 
 
 def _explained(row: _Row) -> dict[str, Any] | None:
@@ -196,6 +265,8 @@ body{font:13px system-ui,sans-serif;margin:12px;color:#222}
 .seg{position:absolute;top:2px;height:12px;min-width:1px}
 .queued{background:#c9c9c9}.prefill{background:#f0a030}.decode{background:#3a7bd5}
 .preempted{background:#d63333}.wait{background:#8e44ad;top:5px;height:6px;z-index:1}
+.api_input{background:#2f9e44}.api_output{background:#63c7b2}
+.snapshot{background:#111;top:0;height:16px;min-width:2px;z-index:2}
 .aborted .lab{color:#b00}
 #tip{position:fixed;pointer-events:none;background:#fff;border:1px solid #888;padding:6px;
  font:11px monospace;white-space:pre;display:none;z-index:9;box-shadow:0 2px 6px #0003}
@@ -213,9 +284,12 @@ body{font:13px system-ui,sans-serif;margin:12px;color:#222}
  <label>request id <input id="fId" size="18"></label>
  <label>zoom <input type="range" id="zoom" min="1" max="50" value="1"></label>
  <label>offset <input type="range" id="pan" min="0" max="1000" value="0"></label>
- <span id="legend"><span class="queued"></span>queued<span class="prefill"></span>prefill
+ <span id="legend"><span class="api_input"></span>API server's input (read, render, hand-off)
+ <span class="queued"></span>queued<span class="prefill"></span>prefill
  <span class="decode"></span>decode<span class="preempted"></span>preempted
- <span class="wait"></span>wait (grammar, LoRA slot, remote KV, next input)</span>
+ <span class="wait"></span>wait (grammar, LoRA slot, remote KV, next input)
+ <span class="api_output"></span>API server's output (to the last byte)
+ <span class="snapshot" style="width:2px"></span>in-flight snapshot taken</span>
  <span>click a request id: where its time went</span>
  <div id="axis" style="flex-basis:100%"><span id="a0"></span><span id="a1"></span></div>
 </div>
