@@ -26,7 +26,9 @@ UNRESOLVED_MARK = "?"
 
 def _rel(c: QuantileChange) -> str:
     r = c.relative
-    return "new" if r is None else f"{100 * r:+.0f}%"
+    if r is None:
+        return "new"  # from 0
+    return f"x{1 + r:.0f}" if r >= 9.5 else f"{100 * r:+.0f}%"  # ten times or more: a factor
 
 
 def _cell(c: QuantileChange | None) -> str:
