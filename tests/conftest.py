@@ -27,10 +27,20 @@ def vllm_available() -> bool:
 # CI sets VJO_REQUIRE_VLLM=1: there a missing vLLM is a failure, never a skip.
 REQUIRE_VLLM = os.environ.get("VJO_REQUIRE_VLLM") == "1"
 
+_NEEDS_VLLM = "vLLM is not installed"
 requires_vllm = pytest.mark.skipif(
     not REQUIRE_VLLM and not vllm_available(),
-    reason="vLLM is not installed",
+    reason=_NEEDS_VLLM,
 )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that needs vLLM (``requires_vllm``, on it or its module) is marked
+    ``vllm``: scripts/test.sh runs those again against each vLLM release's
+    sources, and everything else once."""
+    for item in items:
+        if any(m.kwargs.get("reason") == _NEEDS_VLLM for m in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.vllm)
 
 
 def import_harness():  # type: ignore[no-untyped-def]

@@ -20,13 +20,14 @@ LAYOUTS = ["2proc", "3proc"]
 
 
 def start_server(  # type: ignore[no-untyped-def]
-    model_dir: Path, tmp: Path, receiver: Receiver, layout: str, api_spans: bool = False, **kw
+    model_dir: Path, tmp: Path, receiver: Receiver, layout: str, api_spans: bool = True, **kw
 ) -> VllmServer:
-    """A served tiny model exporting to ``receiver``. ``api_spans``: the API
-    server's vllm.api.* spans (the product's default; tests/e2e/test_e2e_api_server.py
-    and the backends' tests have them on); off, the engine's root is the SERVER span."""
+    """A served tiny model exporting to ``receiver``, with the product's defaults
+    unless a test is about another setting. ``api_spans`` False: the API server's
+    vllm.api.* spans off (``VLLM_JOURNEY_OTEL_API_SPANS=0``), the engine's root
+    is then the SERVER span; True leaves the variable unset (the default: on)."""
     env = {
-        "VLLM_JOURNEY_OTEL_API_SPANS": "1" if api_spans else "0",
+        **({} if api_spans else {"VLLM_JOURNEY_OTEL_API_SPANS": "0"}),
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{receiver.grpc_port}",
         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc",
         **kw.pop("env", {}),

@@ -38,10 +38,20 @@ from vllm_journey_otel import schema as S
 pytestmark = [requires_vllm, pytest.mark.e2e]
 
 
-@pytest.fixture(scope="module", params=LAYOUTS)
+# Each layout once: the default three processes with the defaults (API-server
+# spans on), two processes with the API-server spans off (the engine's root is
+# then the SERVER span). tests/e2e/test_e2e_api_server.py serves both layouts
+# with them on.
+SERVED = [("3proc", True), ("2proc", False)]
+
+
+@pytest.fixture(scope="module", params=SERVED, ids=["3proc-default", "2proc-api-spans-off"])
 def server(request, model_dir, module_receiver, tmp_path_factory) -> Iterator[VllmServer]:  # type: ignore[no-untyped-def]
-    s = start_server(model_dir, tmp_path_factory.mktemp("serve"), module_receiver, request.param)
-    s.layout = request.param  # type: ignore[attr-defined]
+    layout, api_spans = request.param
+    s = start_server(
+        model_dir, tmp_path_factory.mktemp("serve"), module_receiver, layout, api_spans=api_spans
+    )
+    s.layout = layout  # type: ignore[attr-defined]
     yield s
     s.stop()
 
