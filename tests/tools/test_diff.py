@@ -136,6 +136,13 @@ def engine_only(tmp_path_factory: pytest.TempPathFactory) -> Path:
             e.add(f"t{i}", prompt_len=20 + 9 * i, max_tokens=20 + 3 * i)
             e.step()
         e.run()
+        from vllm.lora.request import LoRARequest
+
+        e = harness.Engine(max_loras=2)
+        for i in range(4):  # two adapters: two groups
+            lora = LoRARequest(f"ad{i % 2}", 1 + i % 2, f"/nonexistent/ad{i % 2}")
+            e.add(f"l{i}", prompt_len=20, max_tokens=4 + i, lora=lora)
+        e.run()
         assert hooks.flush(10)
     finally:
         hooks.uninstall()
@@ -149,7 +156,7 @@ def test_phases_are_the_explained_causes_and_missing_is_not_zero(engine_only: Pa
 
     sample = D.from_reader(read)
     explained, total = J.explanations(read, J.Selection(slowest=1000))
-    assert sample.count == total == 12
+    assert sample.count == total == 16
     for cause in (X.QUEUED, X.PREFILL, X.DECODE, X.PREEMPTED):
         expect = sorted(e.by_cause().get(cause, 0.0) for e in explained)
         assert sample.sorted_values(cause) == pytest.approx(expect, abs=1e-6)
@@ -167,11 +174,17 @@ def test_a_file_against_itself(engine_only: Path, capsys: pytest.CaptureFixture[
     f = str(engine_only)
     assert cli_main(["diff", f, f, "--json", "--fail-if", "e2e.p50 > +0%"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["failed"] == [] and d["journeys"] == [12, 12]
+    assert d["failed"] == [] and d["journeys"] == [16, 16]
     for p in d["phases"]:
         for q in p["quantiles"].values():
             assert q["change"] == 0 and not q["beyond_noise"]
-    # 12 journeys cannot bound a p99: a gate on it fails rather than pass blind.
+    # Per LoRA adapter (none, ad0, ad1): end to end and TTFT, each group's own journeys.
+    lora = d["groups"]["lora"]
+    assert set(lora) == {"", "ad0", "ad1"}
+    assert [p["count"] for p in lora["ad0"]] == [[2, 2], [2, 2]]
+    assert [p["phase"] for p in lora["ad1"]] == [D.E2E, D.TTFT]
+    assert "model" not in d["groups"]  # one model: the whole is the group
+    # 16 journeys cannot bound a p99: a gate on it fails rather than pass blind.
     assert cli_main(["diff", f, f, "--fail-if", "e2e.p99 > +0%"]) == 1
     assert "too few to tell a change of p99 from noise" in capsys.readouterr().err
     assert cli_main(["diff", f, f, "--fail-if", "queued.p99 >> 1"]) == 2

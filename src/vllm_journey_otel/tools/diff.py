@@ -41,11 +41,15 @@ from vllm_journey_otel.tools.explain import (
     API_AFTER,
     API_BEFORE,
     API_INPUT,
+    API_OUTPUT,
     API_READ,
     API_RENDER,
     BEFORE,
     CAUSES,
     DECODE,
+    ENGINE_HANDBACK,
+    ENGINE_INPUT,
+    ENGINE_UNSEEN,
     WAIT,
     label,
 )
@@ -58,13 +62,11 @@ DECODE_PER_TOKEN = "decode_per_token"
 QUANTILES = (50, 90, 99)
 TOTALS = (E2E, TTFT)  # whole-request figures, listed first
 _API_CAUSES = frozenset((*API_BEFORE, *API_AFTER))
-_EDGE_CAUSES = frozenset((BEFORE, AFTER))
 _SPLIT = (API_READ, API_RENDER)  # the input side's parts, where vLLM's stamp splits it
 _DERIVED_LABELS = {
-    API_INPUT: "API server's input side",
     E2E: "end to end",
     TTFT: "server TTFT",
-    DECODE_PER_TOKEN: "decode per token",
+    DECODE_PER_TOKEN: "decode per output token",
 }
 Z95 = 1.96
 NAN = float("nan")
@@ -76,11 +78,21 @@ def phase_label(phase: str) -> str:
 
 def _applies(cause: str, jc: JourneyCauses) -> bool:
     """The journey's spans observe this cause (0 ms then means 0 ms)."""
-    if cause in _API_CAUSES:
-        return jc.journey.api is not None
-    if cause in _EDGE_CAUSES:
-        return jc.journey.api is None and jc.phases_observed
-    return jc.phases_observed
+    j = jc.journey
+    api = j.api
+    if api is None:
+        return jc.phases_observed and cause not in _API_CAUSES and cause != ENGINE_UNSEEN
+    if cause in (API_INPUT, *_SPLIT):
+        return api.handoff is not None
+    if cause == ENGINE_INPUT:
+        return j.engine is not None
+    if cause == API_OUTPUT:
+        return api.output_start is not None
+    if cause == ENGINE_HANDBACK:
+        return api.output_start is not None and jc.phases_observed
+    if cause == AFTER:  # an API request without an output side: last phase to the end
+        return api.output_start is None and jc.phases_observed
+    return cause != BEFORE and cause != ENGINE_UNSEEN and jc.phases_observed
 
 
 class Sample:
@@ -91,32 +103,41 @@ class Sample:
         self.count = count
         self.values: dict[str, array[float]] = {}
         self.groups: list[list[str]] = [[] for _ in GROUPS]
-        observed = array("b")  # the engine's phases are in the file
+        self.observed = array("b")  # the journey's engine phases are in the file
+        self.with_api = 0  # journeys whose outermost span is the API server's
         for jc in journeys:
             figures = self._figures(jc)
             for phase in figures.keys() - self.values.keys():
-                # A phase first seen now (a wait reason): the journeys before it
-                # that were observed spent 0 ms in it.
-                self.values[phase] = array(
-                    "d", (0.0 if o and phase.startswith(WAIT) else NAN for o in observed)
-                )
+                # A phase first seen now: earlier journeys did not have it (a wait
+                # reason: those observed spent 0 ms in it).
+                self.values[phase] = self._absent(phase)
             for phase, column in self.values.items():
-                column.append(figures.get(phase, NAN))
-            observed.append(1 if jc.phases_observed else 0)
+                column.append(figures.get(phase, self._missing(phase, jc.phases_observed)))
+            self.observed.append(1 if jc.phases_observed else 0)
+            self.with_api += jc.journey.api is not None
             engine = jc.journey.engine
             for i, value in enumerate(engine.groups if engine else ("",) * len(GROUPS)):
                 self.groups[i].append(value)
 
     @staticmethod
+    def _missing(phase: str, observed: bool) -> float:
+        """A journey without this figure: a wait it never had took 0 ms (its
+        phases observed); anything else was not observed."""
+        return 0.0 if observed and phase.startswith(WAIT) else NAN
+
+    def _absent(self, phase: str) -> array[float]:
+        return array("d", (self._missing(phase, bool(o)) for o in self.observed))
+
+    @staticmethod
     def _figures(jc: JourneyCauses) -> dict[str, float]:
         j = jc.journey
-        out = {E2E: j.e2e_ms}
+        out = {} if j.api is not None and not j.api.responded else {E2E: j.e2e_ms}
         if j.ttft_ms is not None:
             out[TTFT] = j.ttft_ms
         for cause in CAUSES:
             if _applies(cause, jc) and cause not in _SPLIT:
                 out[cause] = jc.causes.get(cause, 0.0)
-        if j.api is not None:
+        if API_INPUT in out:
             # The input side whole (its split into read and render only where observed).
             out[API_INPUT] = sum(jc.causes.get(c, 0.0) for c in (*_SPLIT, API_INPUT))
             for c in _SPLIT:
@@ -131,7 +152,11 @@ class Sample:
         return out
 
     def sorted_values(self, phase: str, group: tuple[int, str] | None = None) -> list[float]:
-        column = self.values.get(phase, array("d"))
+        """The phase's observed values (a wait this file never had: 0 ms for each
+        journey whose phases are in it), of one group's journeys if given."""
+        column = self.values.get(phase)
+        if column is None:
+            column = self._absent(phase)
         if group is None:
             vals = [v for v in column if v == v]
         else:
@@ -247,8 +272,8 @@ def compare_values(phase: str, base: list[float], new: list[float]) -> PhaseDiff
         for q in QUANTILES:
             blo, bhi = quantile_interval(base, q / 100)
             nlo, nhi = quantile_interval(new, q / 100)
-            apart = nlo > bhi or nhi < blo
             resolved = all(math.isfinite(v) for v in (blo, bhi, nlo, nhi))
+            apart = resolved and (nlo > bhi or nhi < blo)
             c = QuantileChange(q, percentile(base, q), percentile(new, q), apart, resolved)
             d.quantiles.append(c)
         d.shift_p = mann_whitney_p(base, new)
@@ -271,6 +296,7 @@ class Diff:
     new: Sample
     phases: list[PhaseDiff]  # e2e and TTFT first, then by how far each moved its tail
     groups: dict[str, dict[str, list[PhaseDiff]]]  # dimension -> value -> e2e, TTFT
+    notes: list[str] = field(default_factory=list)  # what to keep in mind reading it
 
     def phase(self, name: str) -> PhaseDiff | None:
         return next((p for p in self.phases if p.phase == name), None)
@@ -279,6 +305,7 @@ class Diff:
         return {
             "journeys": [self.base.count, self.new.count],
             "phases": [p.to_dict() for p in self.phases],
+            "notes": self.notes,
             "groups": {
                 dim: {v: [p.to_dict() for p in ps] for v, ps in values.items()}
                 for dim, values in self.groups.items()
@@ -290,12 +317,12 @@ def diff(base: Sample, new: Sample) -> Diff:
     names = base.values.keys() | new.values.keys()
     phases = [compare_values(p, base.sorted_values(p), new.sorted_values(p)) for p in names]
     head = [p for k in TOTALS for p in phases if p.phase == k]
-    rest = sorted((p for p in phases if p not in head), key=_tail_move, reverse=True)
+    rest = sorted((p for p in phases if p not in head), key=lambda p: (-_tail_move(p), p.phase))
     groups: dict[str, dict[str, list[PhaseDiff]]] = {}
     for i, dim in enumerate(GROUPS):
+        if len(set(base.groups[i])) < 2 and len(set(new.groups[i])) < 2:
+            continue  # one model, one rank... in each file: the whole is the group
         values = sorted(set(base.groups[i]) | set(new.groups[i]))
-        if len(values) < 2:
-            continue  # one model, one rank...: the whole is the group
         groups[dim] = {
             v: [
                 compare_values(p, base.sorted_values(p, (i, v)), new.sorted_values(p, (i, v)))
@@ -303,7 +330,13 @@ def diff(base: Sample, new: Sample) -> Diff:
             ]
             for v in values
         }
-    return Diff(base, new, head + rest, groups)
+    notes = []
+    if (base.with_api == 0) != (new.with_api == 0):
+        notes.append(
+            "one file has the API server's spans and the other not: end to end and TTFT "
+            "compare vllm.api.request in one with the engine's vllm.request in the other"
+        )
+    return Diff(base, new, head + rest, groups, notes)
 
 
 # ---------------------------------------------------------------------------

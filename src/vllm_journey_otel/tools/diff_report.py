@@ -34,7 +34,7 @@ def _rel(c: QuantileChange) -> str:
 def _cell(c: QuantileChange | None) -> str:
     if c is None:
         return f"{'not observed':>30}"
-    mark = NOISE_MARK if c.beyond_noise else " " if c.resolved else UNRESOLVED_MARK
+    mark = UNRESOLVED_MARK if not c.resolved else NOISE_MARK if c.beyond_noise else " "
     return f"{c.base:9.1f} -> {c.new:9.1f} {_rel(c):>6}{mark}"
 
 
@@ -63,6 +63,7 @@ def format_text(d: Diff, base_name: str, new_name: str, failures: list[str]) -> 
     lines = [
         f"base {base_name}: {d.base.count} journeys; new {new_name}: {d.new.count} journeys",
         headline(d),
+        *(f"note: {n}" for n in d.notes),
         f"  {'phase (ms)':<28} {'n base':>6} {'n new':>6}  "
         + "  ".join(f"{f'p{q} base -> new':>30}" for q in (50, 90, 99))
         + "  shift p",
@@ -131,7 +132,8 @@ def _svg(base: list[float], new: list[float]) -> str:
 def _table(p: PhaseDiff) -> str:
     rows = "".join(
         f"<tr><td>p{c.q}</td><td>{c.base:.2f}</td><td>{c.new:.2f}</td>"
-        f'<td class="{"beyond" if c.beyond_noise else ""}">{html.escape(_rel(c))}</td></tr>'
+        f'<td class="{"beyond" if c.beyond_noise else ""}">{html.escape(_rel(c))}'
+        f"{'' if c.resolved else ' ' + UNRESOLVED_MARK}</td></tr>"
         for c in p.quantiles
     )
     return (
@@ -155,6 +157,7 @@ def render_html(d: Diff, base: Sample, new: Sample, base_name: str, new_name: st
         f"{html.escape(base_name)} ({d.base.count} journeys)"
         f"<span style='background:#e8590c'></span>new {html.escape(new_name)} "
         f"({d.new.count} journeys)</p><p>{html.escape(headline(d))} Each curve: the "
-        "phase's values in order (the quantile function); bold change: beyond the noise.</p>"
+        "phase's values in order (the quantile function); bold change: beyond the noise; "
+        f"{UNRESOLVED_MARK}: too few journeys to bound that quantile.</p>"
         f"<div class='grid'>{''.join(cards)}</div></body></html>"
     )

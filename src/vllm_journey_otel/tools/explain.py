@@ -46,9 +46,12 @@ API_INPUT = "api_input"
 ENGINE_INPUT = "engine_input"
 ENGINE_HANDBACK = "engine_handback"
 API_OUTPUT = "api_output"
+# The engine's part of a request whose engine spans are not in the file (head
+# sampling dropped them, or another file has them): not observed, not a phase.
+ENGINE_UNSEEN = "engine_unseen"
 # The causes, in the order of a journey (waits take their reason's name).
 CAUSES = (
-    API_READ, API_RENDER, API_INPUT, ENGINE_INPUT, BEFORE,
+    API_READ, API_RENDER, API_INPUT, ENGINE_INPUT, ENGINE_UNSEEN, BEFORE,
     QUEUED, PREFILL, DECODE, PREEMPTED, RECOMPUTE,
     AFTER, ENGINE_HANDBACK, API_OUTPUT,
 )  # fmt: skip
@@ -61,6 +64,7 @@ LABELS = {
     API_INPUT: "API server's input side",
     ENGINE_INPUT: "engine input queue",
     ENGINE_HANDBACK: "last output to API server",
+    ENGINE_UNSEEN: "in the engine (its spans not in the file)",
     API_OUTPUT: "API server's output side",
     BEFORE: "before the engine",
     QUEUED: "queued",
@@ -95,7 +99,7 @@ def label(cause: str) -> str:
 
 @dataclass
 class Segment:
-    """One stretch of the journey: a cause, from and to (ms after the root's start)."""
+    """One stretch of the journey: a cause, from and to (ms after the outermost span's start)."""
 
     cause: str
     start_ms: float
@@ -110,7 +114,7 @@ class Segment:
 class Preemption:
     """One preemption, as its span says."""
 
-    at_ms: float  # after the root's start
+    at_ms: float  # after the outermost span's start
     preempted_ms: float  # time spent preempted (its span)
     by: str | None  # the request whose KV allocation forced it; None: not named
     kv_cache_usage: float | None
@@ -118,9 +122,6 @@ class Preemption:
     num_waiting: int | None
     # The prefill of the cycle that resumed it (None: it never resumed).
     recompute_ms: float | None = None
-
-
-_ADMISSION = ("kv_cache_usage", "num_running", "num_waiting")
 
 
 @dataclass
@@ -242,6 +243,7 @@ class ApiSides(NamedTuple):
     output_start: int | None  # vllm.api.output's start; None: no output side
     request_ids: tuple[str, ...] = ()
     engine_requests: int = 1
+    responded: bool = True  # a last byte was sent (vllm.api.e2e_ms is set)
 
 
 def api_sides(
@@ -249,13 +251,24 @@ def api_sides(
 ) -> ApiSides:
     """The API server's part from its spans: root, input side, output side."""
     read_ms = None if inp is None else inp.attributes.get(S.API_READ_MS)
-    ttft = root.attributes.get(S.API_TTFT_MS)
-    ids = root.attributes.get(S.API_REQUEST_IDS) or ()
+    return api_sides_of(
+        root, None if inp is None else (inp.end_unix_ns, read_ms),
+        None if out is None else out.start_unix_ns, engine_requests,
+    )  # fmt: skip
+
+
+def api_sides_of(
+    root: FileSpan, inp: tuple[int, Any] | None, output_start: int | None, engines: int = 1
+) -> ApiSides:
+    """The API server's part from its root span, the input side's end and
+    ``vllm.api.read_ms`` (None: no input side), and the output side's start."""
+    a = root.attributes
+    ttft, ids = a.get(S.API_TTFT_MS), tuple(str(i) for i in a.get(S.API_REQUEST_IDS) or ())
+    handoff, read_ms = inp if inp is not None else (None, None)
     return ApiSides(
         root.span_id, root.trace_id, root.start_unix_ns, root.end_unix_ns,
         None if ttft is None else float(ttft), None if read_ms is None else float(read_ms),
-        None if inp is None else inp.end_unix_ns, None if out is None else out.start_unix_ns,
-        tuple(str(i) for i in ids), engine_requests,
+        handoff, output_start, ids, max(engines, len(ids)), S.API_E2E_MS in a,
     )  # fmt: skip
 
 
@@ -270,7 +283,9 @@ class Bounds(NamedTuple):
     last: int | None
 
 
-def edge_segments(b: Bounds, api: ApiSides | None, t0: int) -> tuple[list[Segment], list[Segment]]:
+def edge_segments(
+    b: Bounds, api: ApiSides | None, t0: int, engine_seen: bool = True
+) -> tuple[list[Segment], list[Segment]]:
     """The stretches before the first phase and after the last, as causes.
 
     With the API server's spans: up to vLLM's arrival stamp (``vllm.api.read_ms``),
@@ -278,7 +293,8 @@ def edge_segments(b: Bounds, api: ApiSides | None, t0: int) -> tuple[list[Segmen
     to the output side's start, to the last byte. Without: before / after the
     engine. Each point is clamped between the previous one and the phases (two
     processes' clocks agree only to a few microseconds), so stretches never
-    overlap and, with the phases, tile the outermost span."""
+    overlap and, with the phases, tile the outermost span. ``engine_seen``
+    False: the engine's spans of an API request are not in the file."""
     before: list[tuple[str, int]] = []
     after: list[tuple[str, int]] = []
     if api is None:
@@ -292,13 +308,15 @@ def edge_segments(b: Bounds, api: ApiSides | None, t0: int) -> tuple[list[Segmen
             before += [(API_READ, arrival), (API_RENDER, api.handoff)]
         elif api.handoff is not None:
             before.append((API_INPUT, api.handoff))
-        # Without a phase (turned away, or aborted before admission) the engine's
-        # input queue runs to the output side, or to the end.
+        # Without a phase (aborted before admission) the engine's input queue runs
+        # to the output side, or to the end; the engine's spans not in the file,
+        # that stretch was not observed.
         admitted = b.first if b.first is not None else (out if out is not None else b.end)
-        before.append((ENGINE_INPUT, admitted))
+        unseen = not engine_seen and bool(api.request_ids)
+        before.append((ENGINE_UNSEEN if unseen else ENGINE_INPUT, admitted))
         after = [(ENGINE_HANDBACK, out)] if out is not None else []
         after.append((API_OUTPUT if out is not None else AFTER, b.end))
-    limit = b.first if b.first is not None else b.end
+    limit = min(b.first, b.end) if b.first is not None else b.end
     head, reached = _stretches(before, b.start, limit, t0)
     tail, _ = _stretches(after, b.last if b.last is not None else reached, b.end, t0)
     return head, tail
@@ -332,13 +350,16 @@ def explain(
 ) -> Explanation:
     """The explanation of one journey: its engine root and the spans below it,
     and the API server's part where the file has it (``api``). ``root`` None: a
-    request the API server answered without the engine (turned away)."""
+    request whose engine part is not in the file, or that never reached the
+    engine (turned away)."""
+    engine_seen = root is not None
     if root is None:
         if api is None:
             raise ValueError("a journey needs its engine root or its API server's part")
         rid = api.request_ids[0] if api.request_ids else ""
+        status = "engine spans not in the file" if rid else "no engine request (turned away)"
         root = FileSpan(S.SPAN_API, api.trace_id, api.span_id, "", api.start, api.end,
-                        {S.REQUEST_ID: rid, S.FINISH_STATUS: "no engine request"}, {})  # fmt: skip
+                        {S.REQUEST_ID: rid, S.FINISH_STATUS: status}, {})  # fmt: skip
     a = root.attributes
     t0 = api.start if api is not None else root.start_unix_ns
     end = api.end if api is not None else root.end_unix_ns
@@ -374,7 +395,7 @@ def explain(
         children[0].start_unix_ns if children else None,
         max(c.end_unix_ns for c in children) if children else None,
     )
-    before, after = edge_segments(bounds, api, t0)
+    before, after = edge_segments(bounds, api, t0, engine_seen)
     e.segments += before
     resume_pending: Preemption | None = None
     for c in children:

@@ -37,6 +37,7 @@ from vllm_journey_otel.tools.explain import (
     ApiSides,
     Bounds,
     Explanation,
+    api_sides_of,
     edge_segments,
     explain,
 )
@@ -133,15 +134,19 @@ def _groups(s: FileSpan) -> tuple[str, ...]:
     )
 
 
-class _Pass1:
+class JourneyIndex:
     """Every journey, and each child span's root and kind (by span id): the
-    span's name, or ``resume`` for a cycle resumed after a preemption."""
+    span's name, or ``resume`` for a cycle resumed after a preemption.
+
+    An engine root belongs to the API request it is a child of (head-sampled)
+    or, when it is a root of its own (kept by the engine's tail rule, linked),
+    to the API request that names its request id in ``vllm.api.request_ids``."""
 
     def __init__(self, read: Reader) -> None:
         self.root_of: dict[str, tuple[str, str]] = {}
         roots: list[_Root] = []
-        apis: dict[str, FileSpan] = {}
-        inputs: dict[str, tuple[int, float | None]] = {}
+        apis: dict[str, FileSpan] = {}  # attributes dropped: a few fields kept
+        inputs: dict[str, tuple[int, Any]] = {}
         outputs: dict[str, int] = {}
         for s in read(_PASS1):
             if s.name == S.SPAN_REQUEST:
@@ -156,30 +161,49 @@ class _Pass1:
                 resumed = s.attributes.get(S.SCHEDULE_KIND) == S.SCHEDULE_RESUME
                 self.root_of[s.span_id] = (s.parent_span_id, "resume" if resumed else s.name)
             elif s.name == S.SPAN_API:
-                # Only the few attributes kept below: a FileSpan's dict is dropped after pass 1.
-                apis[s.span_id] = s
+                apis[s.span_id] = s._replace(attributes=_api_attributes(s.attributes))
             elif s.name == S.SPAN_API_INPUT:
-                inputs[s.parent_span_id] = (s.end_unix_ns, _opt(s.attributes, S.API_READ_MS, float))
+                inputs[s.parent_span_id] = (s.end_unix_ns, s.attributes.get(S.API_READ_MS))
             elif s.name == S.SPAN_API_OUTPUT:
                 outputs[s.parent_span_id] = s.start_unix_ns
-        under: dict[str, list[_Root]] = {}
-        self.journeys: list[Journey] = []
-        for r in roots:
-            if r.parent_span_id in apis:
-                under.setdefault(r.parent_span_id, []).append(r)
-            else:
-                self.journeys.append(Journey(r, None))
-        for span_id, s in apis.items():
-            engines = under.get(span_id, [])
-            handoff, read_ms = inputs.get(span_id, (None, None))
-            ids = s.attributes.get(S.API_REQUEST_IDS) or ()
-            api = ApiSides(
-                span_id, s.trace_id, s.start_unix_ns, s.end_unix_ns,
-                _opt(s.attributes, S.API_TTFT_MS, float), read_ms, handoff,
-                outputs.get(span_id), tuple(str(i) for i in ids), max(1, len(engines)),
-            )  # fmt: skip
-            last = max(engines, key=lambda r: r.end_unix_ns, default=None)
-            self.journeys.append(Journey(last, api))
+        self.journeys = _join(roots, apis, inputs, outputs)
+
+
+_API_KEYS = (S.API_TTFT_MS, S.API_REQUEST_IDS, S.API_E2E_MS)
+
+
+def _api_attributes(a: dict[str, Any]) -> dict[str, Any]:
+    return {k: a[k] for k in _API_KEYS if k in a}
+
+
+def _join(
+    roots: list[_Root],
+    apis: dict[str, FileSpan],
+    inputs: dict[str, tuple[int, Any]],
+    outputs: dict[str, int],
+) -> list[Journey]:
+    """Engine roots and API requests as journeys (see :class:`JourneyIndex`)."""
+    api_of_request = {
+        str(rid): span_id
+        for span_id, s in apis.items()
+        for rid in s.attributes.get(S.API_REQUEST_IDS) or ()
+    }
+    under: dict[str, list[_Root]] = {}
+    journeys: list[Journey] = []
+    for r in roots:
+        if r.parent_span_id in apis:
+            owner: str | None = r.parent_span_id
+        else:  # a root of its own only when kept by the tail rule: joined by request id
+            owner = None if r.parent_span_id else api_of_request.get(r.request_id)
+        if owner is not None:
+            under.setdefault(owner, []).append(r)
+        else:
+            journeys.append(Journey(r, None))
+    for span_id, s in apis.items():
+        engines = under.get(span_id, [])
+        api = api_sides_of(s, inputs.get(span_id), outputs.get(span_id), len(engines))
+        journeys.append(Journey(max(engines, key=lambda r: r.end_unix_ns, default=None), api))
+    return journeys
 
 
 def _chosen(journeys: list[Journey], sel: Selection) -> list[Journey]:
@@ -196,7 +220,7 @@ def _chosen(journeys: list[Journey], sel: Selection) -> list[Journey]:
 
 def explanations(read: Reader, sel: Selection) -> tuple[list[Explanation], int]:
     """The journeys ``sel`` names, explained, and how many the files hold."""
-    p1 = _Pass1(read)
+    p1 = JourneyIndex(read)
     chosen = _chosen(p1.journeys, sel)
     spans: dict[str, list[FileSpan]] = {j.engine.span_id: [] for j in chosen if j.engine}
     full: dict[str, FileSpan] = {}
@@ -236,7 +260,9 @@ class _Tally:
     def add(self, cause: str, span: FileSpan, sign: float = 1.0) -> None:
         a, b = span.start_unix_ns, span.end_unix_ns
         if self.clip is not None:
-            a, b = min(a, self.clip), min(b, self.clip)
+            if a >= self.clip:  # wholly after the last byte: no part of the journey (as _clip)
+                return
+            b = min(b, self.clip)
         self.causes[cause] = self.causes.get(cause, 0.0) + sign * (b - a) / 1e6
 
     def child(self, span: FileSpan) -> None:
@@ -278,7 +304,7 @@ class JourneyCauses(NamedTuple):
 def journey_causes(read: Reader) -> tuple[Iterator[JourneyCauses], int]:
     """Every journey's causes (the same figures :func:`explain` gives it, added
     up span by span: a few numbers per journey), and how many there are."""
-    p1 = _Pass1(read)
+    p1 = JourneyIndex(read)
     tallies = {
         j.engine.span_id: _Tally(j.api.end if j.api else None) for j in p1.journeys if j.engine
     }
@@ -292,7 +318,8 @@ def journey_causes(read: Reader) -> tuple[Iterator[JourneyCauses], int]:
             first = t.first_start if t else None
             last = t.last_end if t else None
             causes = dict(t.causes) if t else {}
-            before, after = edge_segments(Bounds(j.start, j.end, first, last), j.api, j.start)
+            bounds = Bounds(j.start, j.end, first, last)
+            before, after = edge_segments(bounds, j.api, j.start, j.engine is not None)
             for seg in (*before, *after):
                 causes[seg.cause] = causes.get(seg.cause, 0.0) + seg.ms
             yield JourneyCauses(j, causes, first is not None)

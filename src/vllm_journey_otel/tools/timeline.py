@@ -22,16 +22,17 @@ import html
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.tools.explain import (
     EXPLAIN_ATTRIBUTES,
+    ApiSides,
     Explanation,
-    api_sides,
     explain,
     label,
 )
+from vllm_journey_otel.tools.journey_files import JourneyIndex
 from vllm_journey_otel.tools.tracefile import FileSpan
 
 _PHASES = {
@@ -48,7 +49,7 @@ _PHASES = {
     S.SPAN_IN_FLIGHT: "snapshot",
 }
 _API_SIDES = (S.SPAN_API_INPUT, S.SPAN_API_OUTPUT)
-_PASS2 = EXPLAIN_ATTRIBUTES | {S.SPAN_API, S.SPAN_IN_FLIGHT, *_API_SIDES}
+_PASS2 = EXPLAIN_ATTRIBUTES | {S.SPAN_IN_FLIGHT, *_API_SIDES}
 _ROOT_KEYS = (
     S.REQUEST_ID,
     S.FINISH_STATUS,
@@ -77,44 +78,13 @@ class _Row:
     root: FileSpan | None = None
     # Every span below the root, for its explanation.
     spans: list[FileSpan] = field(default_factory=list)
-    # The API server's part: vllm.api.request, vllm.api.input, vllm.api.output.
-    api: dict[str, FileSpan] = field(default_factory=dict)
+    # The API server's part, where the file has it.
+    api: ApiSides | None = None
 
     def explanation(self) -> Explanation | None:
-        if self.root is None:
+        if self.root is None and self.api is None:
             return None
-        a = self.api
-        sides = None
-        if S.SPAN_API in a:
-            sides = api_sides(a[S.SPAN_API], a.get(S.SPAN_API_INPUT), a.get(S.SPAN_API_OUTPUT))
-        return explain(self.root, self.spans, sides)
-
-
-class _Ranked(NamedTuple):
-    """Pass 1's few numbers of an engine root."""
-
-    span_id: str
-    parent: str
-    start: int
-    end: int
-
-
-def _pass1(
-    read: Callable[[frozenset[str] | None], Iterable[FileSpan]],
-) -> tuple[list[_Ranked], dict[str, tuple[int, int]], dict[str, str]]:
-    """Engine roots, API roots (span id -> start, end) and which root each
-    phase's parent (a cycle, queued or preempted span) belongs to."""
-    roots: list[_Ranked] = []
-    apis: dict[str, tuple[int, int]] = {}
-    cycle_root: dict[str, str] = {}
-    for s in read(frozenset()):
-        if s.name == S.SPAN_REQUEST:
-            roots.append(_Ranked(s.span_id, s.parent_span_id, s.start_unix_ns, s.end_unix_ns))
-        elif s.name == S.SPAN_API:
-            apis[s.span_id] = (s.start_unix_ns, s.end_unix_ns)
-        elif s.name in (S.SPAN_SCHEDULED, S.SPAN_QUEUED, S.SPAN_PREEMPTED):
-            cycle_root[s.span_id] = s.parent_span_id
-    return roots, apis, cycle_root
+        return explain(self.root, self.spans, self.api)
 
 
 def collect(
@@ -125,58 +95,48 @@ def collect(
 
     Two passes over the file(s), so memory stays bounded by a few numbers per
     journey plus the drawn rows: ``read(attributes_of)`` must return a fresh span
-    iterator each time. Pass 1 ranks the roots and maps cycles to roots; pass 2
-    keeps the spans of the drawn rows only.
+    iterator each time. Pass 1 (``journey_files.JourneyIndex``, as ``explain``
+    reads journeys) ranks the journeys and maps cycles to roots; pass 2 keeps
+    the spans of the drawn rows only.
     """
-    roots, apis, cycle_root = _pass1(read)
-
-    def outer(r: _Ranked) -> tuple[int, int]:
-        return apis.get(r.parent, (r.start, r.end))
-
-    chosen = heapq.nlargest(limit, roots, key=lambda r: outer(r)[1] - outer(r)[0])
-    rows: dict[str, _Row] = {}
-    by_api: dict[str, _Row] = {}
-    for r in chosen:
-        start, end = outer(r)
-        rows[r.span_id] = _Row("", start, end, {})
-        if r.parent in apis:
-            by_api[r.parent] = rows[r.span_id]
-    if rows:
+    index = JourneyIndex(read)
+    chosen = heapq.nlargest(limit, index.journeys, key=lambda j: j.e2e_ms)
+    rows: dict[str, _Row] = {}  # engine root span id -> row
+    by_api: dict[str, _Row] = {}  # vllm.api.request span id -> row
+    drawn = []
+    for j in chosen:
+        attrs = {S.REQUEST_ID: j.request_id}
+        row = _Row(j.trace_id, j.start, j.end, attrs, api=j.api)
+        drawn.append(row)
+        if j.engine is not None:
+            rows[j.engine.span_id] = row
+        if j.api is not None:
+            by_api[j.api.span_id] = row
+    if drawn:
         for s in read(_PASS2):
-            _place(s, rows, by_api, cycle_root)
-    ordered = sorted(rows.values(), key=lambda r: r.start)
-    return ordered, len(roots)
+            _place(s, rows, by_api, index.root_of)
+    return sorted(drawn, key=lambda r: r.start), len(index.journeys)
 
 
 def _place(
-    s: FileSpan, rows: dict[str, _Row], by_api: dict[str, _Row], cycle_root: dict[str, str]
+    s: FileSpan, rows: dict[str, _Row], by_api: dict[str, _Row], root_of: dict[str, tuple[str, str]]
 ) -> None:
     """Pass 2: one span onto its drawn row, if it has one."""
     if s.name == S.SPAN_REQUEST:
         row = rows.get(s.span_id)
         if row is not None:
-            row.root, row.attrs, row.trace_id = s, s.attributes, row.trace_id or s.trace_id
-        return
-    if s.name == S.SPAN_API:
-        row = by_api.get(s.span_id)
-        if row is not None:
-            row.api[s.name], row.trace_id = s, s.trace_id
+            row.root, row.attrs = s, s.attributes
         return
     if s.name in _API_SIDES:
         row = by_api.get(s.parent_span_id)
-        if row is None:
-            return
-        row.api[s.name] = s
     elif s.name in _PHASES or s.name == S.SPAN_SCHEDULED:
-        row = rows.get(cycle_root.get(s.parent_span_id, s.parent_span_id))
-        if row is None:
-            return
-        if s.name != S.SPAN_IN_FLIGHT:
+        row = rows.get(root_of.get(s.parent_span_id, (s.parent_span_id, ""))[0])
+        if row is not None and s.name != S.SPAN_IN_FLIGHT:
             row.spans.append(s)
     else:
         return
     kind = _PHASES.get(s.name)
-    if kind is not None:
+    if row is not None and kind is not None:
         start = s.end_unix_ns if s.name == S.SPAN_IN_FLIGHT else s.start_unix_ns
         row.segments.append((kind, start, s.end_unix_ns, s.attributes))
 
