@@ -16,6 +16,7 @@ and an in-test OTLP receiver; nothing is mocked.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -51,8 +52,10 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def _exporter_pids(endpoint: str) -> list[int]:
-    """Our exporter processes sending to ``endpoint`` (detached: not the server's children)."""
+def _exporter_pids(endpoint: str, not_for: int | None = None) -> list[int]:
+    """Our exporter processes sending to ``endpoint`` (detached: not the server's
+    children); ``not_for``: leave out the one whose resource is that process's (the
+    API server's own exporter, when the API server is ``not_for``)."""
     pids = []
     for p in psutil.process_iter(["cmdline", "environ"]):
         cmd = p.info.get("cmdline") or []
@@ -61,7 +64,9 @@ def _exporter_pids(endpoint: str) -> list[int]:
         if cmd[1:3] == ["-m", "vllm_journey_otel.export.exporter_process"] and (
             env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") == endpoint
         ):
-            pids.append(p.pid)
+            resource = json.loads(cmd[3]) if len(cmd) > 3 else {}
+            if not_for is None or resource.get(S.RES_PID) != not_for:
+                pids.append(p.pid)
     return pids
 
 
@@ -283,8 +288,18 @@ def test_backend_faults_never_reach_serving(  # type: ignore[no-untyped-def]
     # restart may cost nothing: the SDK's retries can span the restart.
     assert any("UNAVAILABLE" in line for line in fails), "\n".join(ours)  # down
     assert any("DEADLINE_EXCEEDED" in line for line in fails), "\n".join(ours)  # black hole
-    assert len(fails) <= 3, "\n".join(ours)
-    assert len([line for line in ours if "works again" in line]) == len(fails)
+    # Per exporter process: the engine core's and the API server's each report.
+    pids = {
+        m.group(1)
+        for line in fails
+        if (m := re.match(r"\(journey-otel exporter pid=(\d+)\)", line))
+    }
+    assert pids, "\n".join(ours)
+    for pid in pids:
+        mine = [line for line in ours if line.startswith(f"(journey-otel exporter pid={pid})")]
+        fails_here = [line for line in mine if "fails (" in line]
+        assert len(fails_here) <= 3, "\n".join(ours)
+        assert len([line for line in mine if "works again" in line]) == len(fails_here)
     # Not one line per retry, per dropped span, or per malformed client header,
     # from our exporter process (vLLM's own startup spans, exported to the same
     # endpoint by vLLM's tracer, log their retries without our prefix).
@@ -377,11 +392,20 @@ def _bad_input(server: VllmServer, receiver: Receiver) -> int:
     got = wait_until(
         lambda: (f := roots()) and len(f) >= expected and f, 30, what="bad-input roots"
     )
+
+    # Each engine root hangs under the API server's span (its own exporter's).
+    def api_parents() -> dict[int, int | None]:
+        apis = {s.context.span_id: (s.parent.span_id if s.parent else None)
+                for s in wire_spans(receiver) if s.name == S.SPAN_API}  # fmt: skip
+        return apis if all(r.parent and r.parent.span_id in apis for r in got.values()) else {}
+
+    api_parent = wait_until(api_parents, 30, what="the API server's spans above them")
     for rid, span in got.items():
         if rid.startswith("cmpl-badtp-"):
-            assert span.parent is None, f"{rid}: a malformed traceparent makes its own root"
-        elif rid.startswith("cmpl-badts-"):
-            assert span.parent is not None and span.parent.span_id == int("b" * 16, 16)
+            # Its own trace: the API server's span is the root, the engine's under it.
+            assert api_parent[span.parent.span_id] is None, rid
+        elif rid.startswith("cmpl-badts-"):  # the client's span is the API span's parent
+            assert api_parent[span.parent.span_id] == int("b" * 16, 16), rid
         elif rid.startswith("cmpl-long-"):
             assert len(rid) == 1024, "attribute values are cut at the length limit"
     return tried
@@ -393,8 +417,11 @@ def _bad_input(server: VllmServer, receiver: Receiver) -> int:
 def test_a_killed_exporter_is_replaced_while_serving(model_dir, receiver, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Requests keep coming while the exporter is SIGKILLed; serving goes on, the
     engine core starts a new exporter, and the journeys of requests sent after
-    it started arrive whole, their roots counting what was dropped meanwhile."""
+    it started arrive whole, their roots counting what was dropped meanwhile.
+    The engine core's exporter (the API server, the main process in this
+    layout, has one of its own)."""
     server = start_server(model_dir, tmp_path, receiver, "3proc")
+    api_server = server.pid
     endpoint = f"http://127.0.0.1:{receiver.grpc_port}"
     stop = threading.Event()
     answered: list[int] = []
@@ -417,7 +444,9 @@ def test_a_killed_exporter_is_replaced_while_serving(model_dir, receiver, tmp_pa
                 return
 
     try:
-        (old,) = wait_until(lambda: _exporter_pids(endpoint), 60, 0.2, "the exporter")
+        (old,) = wait_until(
+            lambda: _exporter_pids(endpoint, not_for=api_server), 60, 0.2, "the exporter"
+        )
         background = threading.Thread(target=traffic, daemon=True)
         background.start()
         wait_until(lambda: len(answered) >= 5, 120, 0.05, "traffic before the kill")
@@ -426,7 +455,10 @@ def test_a_killed_exporter_is_replaced_while_serving(model_dir, receiver, tmp_pa
         # Gone, or a zombie where nothing reaps detached processes (pid 1 of some containers).
         wait_until(lambda: _gone(old), 30, 0.05, "the killed exporter to die")
         new = wait_until(
-            lambda: [p for p in _exporter_pids(endpoint) if p != old], 60, 0.1, "a new exporter"
+            lambda: [p for p in _exporter_pids(endpoint, not_for=api_server) if p != old],
+            60,
+            0.1,
+            "a new exporter",
         )
         try:
             wait_until(

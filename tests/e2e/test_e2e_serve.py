@@ -52,6 +52,7 @@ def server(request, model_dir, module_receiver, tmp_path_factory) -> Iterator[Vl
         model_dir, tmp_path_factory.mktemp("serve"), module_receiver, layout, api_spans=api_spans
     )
     s.layout = layout  # type: ignore[attr-defined]
+    s.api_spans = api_spans  # type: ignore[attr-defined]
     yield s
     s.stop()
 
@@ -152,8 +153,19 @@ def test_without_traceparent_is_its_own_trace(server, module_receiver) -> None: 
         ]  # fmt: skip
 
     (root,) = wait_until(new_roots, 30, 0.2, "a new root")
-    assert root.parent is None
     assert root.attributes[S.GEN_AI_OUTPUT_TOKENS] == 3
+    if not server.api_spans:
+        assert root.parent is None
+        return
+    # The API server's span is the new trace's root; the engine's hangs under it.
+    assert root.parent is not None
+
+    def api_root() -> list[WireSpan]:
+        return [s for s in wire_spans(module_receiver)
+                if s.name == S.SPAN_API and s.context.span_id == root.parent.span_id]  # fmt: skip
+
+    (api,) = wait_until(api_root, 30, 0.2, "the API server's span")
+    assert api.parent is None and api.context.trace_id == root.context.trace_id
 
 
 def test_client_disconnect_mid_stream_aborts(server, module_receiver) -> None:  # type: ignore[no-untyped-def]
@@ -213,7 +225,12 @@ def test_too_long_prompt_is_rejected_without_a_journey(server, module_receiver) 
     )
     journeys_in_trace(module_receiver, trace2)
     time.sleep(0.5)
-    assert not [s for s in wire_spans(module_receiver) if s.context.trace_id == trace_id]
+    spans = [s for s in wire_spans(module_receiver) if s.context.trace_id == trace_id]
+    # No engine journey; with the API server's spans, its span says it was turned away.
+    assert [s.name for s in spans] == ([S.SPAN_API, S.SPAN_API_INPUT] if server.api_spans else [])
+    for s in spans:
+        if s.name == S.SPAN_API:
+            assert s.attributes[S.HTTP_STATUS] == 400 and s.attributes[S.ERROR_TYPE] == "400"
 
 
 # ---------------------------------------------------------------------------

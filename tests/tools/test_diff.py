@@ -190,6 +190,8 @@ def test_a_file_against_itself(engine_only: Path, capsys: pytest.CaptureFixture[
     assert cli_main(["diff", f, f, "--fail-if", "queued.p99 >> 1"]) == 2
     assert "expected PHASE.pQ OP CHANGE" in capsys.readouterr().err
     assert cli_main(["diff", f, str(engine_only.parent / "missing.jsonl")]) == 2
+    assert cli_main(["diff", f, f, "--html", str(engine_only.parent / "no" / "d.html")]) == 2
+    assert "d.html: cannot write" in capsys.readouterr().err
     empty = engine_only.parent / "empty.jsonl"
     empty.write_text("")
     assert cli_main(["diff", f, str(empty)]) == 1

@@ -234,7 +234,12 @@ def _diff(args: argparse.Namespace) -> int:
     d = D.diff(base, new)
     failures = [why for why in (r.check(d) for r in rules) if why is not None]
     if args.html:
-        Path(args.html).write_text(render_diff(d, base, new, args.base, args.new), encoding="utf-8")
+        page = render_diff(d, base, new, args.base, args.new)
+        try:
+            Path(args.html).write_text(page, encoding="utf-8")
+        except OSError as e:
+            print(f"vllm-journey: {args.html}: cannot write: {e.strerror or e}", file=sys.stderr)
+            return EXIT_USAGE
     if args.json:
         print(json.dumps({**d.to_dict(), "failed": failures}, indent=2))
     else:
@@ -290,7 +295,11 @@ def _add_diff_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="vllm-journey", description="Summarise vLLM request journeys from trace files."
+        prog="vllm-journey",
+        description="Summarise vLLM request journeys from trace files.",
+        epilog="Exit codes: 0 ok; 1 no journey in the files (doctor: a check failed; diff: "
+        "a --fail-if rule failed); 2 usage error or an unreadable file; 3 a replay that could "
+        "not reach its endpoint, or --png without Chromium; 141 the output pipe closed.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     e = sub.add_parser(
