@@ -108,7 +108,8 @@ def main() -> None:
             out["ttft_ours_minus_vllm"].append(ttft)
             out["ttft_rest"].append(ttft - read)
         preempted += any(
-            int(e.attrs.get(S.NUM_PREEMPTIONS, 0)) > 0 for e in tree.kids(S.SPAN_REQUEST)  # type: ignore[attr-defined]
+            int(e.attrs.get(S.NUM_PREEMPTIONS, 0)) > 0
+            for e in tree.kids(S.SPAN_REQUEST)  # type: ignore[attr-defined]
         )
     print(json.dumps({
         "requests": len(pairs), "tokens": tokens, "preempted": preempted,

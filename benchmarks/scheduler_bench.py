@@ -137,7 +137,7 @@ def run(
     off2 = Driver("off2", n, 1, yes)
     hooks.install(on_cfg, head=HeadSampler(parent_based=True, ratio=0.0))
     ratio0 = Driver("ratio0", n, 1, no)
-    no_tail = TailRule(preempted=False, error=False, aborted=False)
+    no_tail = TailRule(preempted=False, error=False, aborted=False, in_flight=False)
     hooks.install(on_cfg, head=HeadSampler(parent_based=True, ratio=0.0), tail=no_tail)
     ratio0_notail = Driver("ratio0_notail", n, 1, no)
     hooks.install(on_cfg, head=HeadSampler(), tail=TailRule())

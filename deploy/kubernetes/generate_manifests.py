@@ -285,7 +285,7 @@ def vllm() -> str:
                         - name: OTEL_TRACES_SAMPLER
                           value: parentbased_always_on
                         - name: VLLM_JOURNEY_OTEL_TAIL
-                          value: preempted,error,aborted
+                          value: preempted,error,aborted,in_flight
                         # host.name is the pod's name; which node it ran on is added here.
                         - name: OTEL_RESOURCE_ATTRIBUTES
                           value: k8s.node.name=$(NODE_NAME),k8s.pod.name=$(POD_NAME)

@@ -382,13 +382,15 @@ def head_sampling(env: Mapping[str, str]) -> tuple[bool, float]:
     return name.startswith("parentbased_"), ratio
 
 
-TAIL_REASONS = ("preempted", "error", "aborted", "slow")
+TAIL_REASONS = ("preempted", "error", "aborted", "in_flight", "slow")
+# Unset: all but "slow" (which needs its threshold).
+TAIL_DEFAULT = TAIL_REASONS[:4]
 
 
 def tail_rule(env: Mapping[str, str]) -> tuple[set[str], int | None]:
     """VLLM_JOURNEY_OTEL_TAIL(_SLOW_MS): (reasons, slow threshold in ns). Never raises."""
     raw = env.get(TAIL)
-    reasons = set(TAIL_REASONS[:3]) if raw is None else set()
+    reasons = set(TAIL_DEFAULT) if raw is None else set()
     if raw is not None and raw.strip().lower() not in ("", "none"):
         for part in raw.split(","):
             p = part.strip().lower()

@@ -90,13 +90,24 @@ def _ms(s: FileSpan) -> float:
     return (s.end_unix_ns - s.start_unix_ns) / 1e6
 
 
-def test_explain_tells_the_whole_journey(runs) -> None:  # type: ignore[no-untyped-def]
-    path, preempted_total = runs["small"]
+def _index(
+    path: Path,
+) -> tuple[
+    list[FileSpan], dict[str, FileSpan], dict[tuple[str, str], FileSpan], dict[str, FileSpan]
+]:
+    """The file's spans; its API roots by span id; their sides by (parent, name);
+    the engine roots by request id."""
     spans = list(read_spans([path]))
     apis = {s.span_id: s for s in spans if s.name == S.SPAN_API}
     sides = {(s.parent_span_id, s.name): s for s in spans
              if s.name in (S.SPAN_API_INPUT, S.SPAN_API_OUTPUT)}  # fmt: skip
     engine = {s.attributes[S.REQUEST_ID]: s for s in spans if s.name == S.SPAN_REQUEST}
+    return spans, apis, sides, engine
+
+
+def test_explain_tells_the_whole_journey(runs) -> None:  # type: ignore[no-untyped-def]
+    path, preempted_total = runs["small"]
+    spans, apis, sides, engine = _index(path)
     phases: dict[str, list[FileSpan]] = {}
     for s in spans:
         if s.name in X.CHILDREN:
@@ -145,11 +156,7 @@ def test_explain_tells_the_whole_journey(runs) -> None:  # type: ignore[no-untyp
 
 def test_the_timeline_draws_the_whole_journey(runs) -> None:  # type: ignore[no-untyped-def]
     path, _ = runs["small"]
-    spans = list(read_spans([path]))
-    apis = {s.span_id: s for s in spans if s.name == S.SPAN_API}
-    sides = {(s.parent_span_id, s.name): s for s in spans
-             if s.name in (S.SPAN_API_INPUT, S.SPAN_API_OUTPUT)}  # fmt: skip
-    engine = {s.attributes[S.REQUEST_ID]: s for s in spans if s.name == S.SPAN_REQUEST}
+    _, apis, sides, engine = _index(path)
     rows, total = collect(_reader(path))
     assert total == len(rows) == BURST
     for row in rows:

@@ -22,6 +22,7 @@ from services import wait_until
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.config import Config
 from vllm_journey_otel.engine import hooks, in_flight
+from vllm_journey_otel.engine.sampling import HeadSampler, TailRule
 from vllm_journey_otel.export.file_exporter import OtlpJsonFileExporter
 from vllm_journey_otel.tools.summary import SUMMARY_ATTRIBUTES, format_text, summarize
 from vllm_journey_otel.tools.timeline import collect, render
@@ -144,6 +145,47 @@ def test_a_long_decode_is_seen_running(watched: InMemorySpanExporter) -> None:
     (root,) = [s for s in watched.get_finished_spans() if s.name == S.SPAN_REQUEST]
     assert snap.parent.span_id == root.context.span_id
     assert snap.context.trace_id == root.context.trace_id
+
+
+@pytest.mark.parametrize("tail", ["default", "without in_flight"])
+def test_a_stuck_request_head_sampling_dropped(monkeypatch: pytest.MonkeyPatch, tail: str) -> None:
+    """Under ratio sampling the stuck request is the one to see: with the tail
+    rule's in_flight reason (the default) it gets its snapshots and its journey
+    is kept at its end, as a root of its own trace with the snapshots under it;
+    without that reason, neither."""
+    monkeypatch.setattr(in_flight, "CHECK_INTERVAL_S", 0.05)
+    exporter = InMemorySpanExporter()
+    rule = TailRule() if tail == "default" else TailRule(in_flight=False)
+    cfg = Config(enabled=True, in_flight_s=THRESHOLD_S, export_interval_ms=20)
+    never = HeadSampler(parent_based=False, ratio=0.0)
+    assert hooks.install(cfg, exporters=[exporter], batch=False, head=never, tail=rule)
+    try:
+        e = harness.Engine()
+        e.add("stuck", prompt_len=16, max_tokens=4, json_schema='{"type": "object"}')
+        e.add("fine", prompt_len=16, max_tokens=4)
+        for _ in range(30):
+            e.step()
+        if tail == "default":
+            wait_until(lambda: _snapshots(exporter, "stuck"), 10, 0.02, "a snapshot")
+        else:
+            time.sleep(THRESHOLD_S + 0.5)  # ten checks past the threshold: one would have come
+        e.compile_grammar("stuck")
+        e.run()
+        assert hooks.flush(10)
+    finally:
+        hooks.uninstall()
+    spans = exporter.get_finished_spans()
+    roots = {s.attributes[S.REQUEST_ID]: s for s in spans if s.name == S.SPAN_REQUEST}
+    snaps = _snapshots(exporter, "stuck")
+    if tail != "default":
+        assert roots == {} and snaps == [], "head-dropped, and nothing keeps it"
+        return
+    assert set(roots) == {"stuck"}, "the request that ended in time stays dropped"
+    root = roots["stuck"]
+    assert root.attributes[S.SAMPLED_BY] == S.SAMPLED_TAIL and root.parent is None
+    for snap in snaps:
+        assert snap.parent is not None and snap.parent.span_id == root.context.span_id
+        assert snap.context.trace_id == root.context.trace_id
 
 
 def test_off_with_zero(monkeypatch: pytest.MonkeyPatch) -> None:

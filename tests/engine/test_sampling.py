@@ -61,12 +61,12 @@ def test_head_sampler_follows_the_parent_flag() -> None:
 
 
 def test_tail_rule_from_env(caplog) -> None:  # type: ignore[no-untyped-def]
-    assert TailRule.from_env({}) == TailRule(True, True, True, None)
+    assert TailRule.from_env({}) == TailRule(True, True, True, None, in_flight=True)
     assert not TailRule.from_env({"VLLM_JOURNEY_OTEL_TAIL": "none"}).active
     rule = TailRule.from_env(
         {"VLLM_JOURNEY_OTEL_TAIL": "error", "VLLM_JOURNEY_OTEL_TAIL_SLOW_MS": "250"}
     )
-    assert rule == TailRule(False, True, False, 250_000_000)
+    assert rule == TailRule(False, True, False, 250_000_000, in_flight=False)
     assert rule.keeps(False, False, 0, 300_000_000) and not rule.keeps(False, True, 3, 1)
     with caplog.at_level(logging.WARNING, logger="vllm.journey_otel"):
         TailRule.from_env({"VLLM_JOURNEY_OTEL_TAIL": "preempted,weird"})
@@ -125,7 +125,7 @@ def test_unsampled_without_tail_records_nothing() -> None:
         exporters=[exporter],
         batch=False,
         head=HeadSampler(parent_based=True, ratio=0.0),
-        tail=TailRule(False, False, False, None),
+        tail=TailRule(False, False, False, None, in_flight=False),
     )
     try:
         e = harness.Engine()
@@ -190,7 +190,7 @@ def test_journeys_of_one_trace_get_one_decision_on_a_real_scheduler() -> None:
         exporters=[exporter],
         batch=False,
         head=HeadSampler(parent_based=False, ratio=ratio),
-        tail=TailRule(False, False, False, None),
+        tail=TailRule(False, False, False, None, in_flight=False),
     )
     traces = [(0x1F << 96) | (k * 0x9E3779B97F4A7C15 % (1 << 64)) for k in range(1, 13)]
     try:

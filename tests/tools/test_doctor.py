@@ -362,7 +362,7 @@ def test_sampler_always_off_drops_every_request(
     assert sampling["verdict"] == "FAIL"
     assert sampling["summary"] == (
         "always_off: head sampling drops every request; the tail rule still exports the "
-        "preempted/error/aborted ones"
+        "preempted/error/aborted/in_flight ones"
     )
     assert "OTEL_TRACES_SAMPLER=parentbased_always_on" in str(sampling["fix"])
 

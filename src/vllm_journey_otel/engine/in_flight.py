@@ -5,8 +5,9 @@ Engine-core process, the pipeline's drain thread (``pipeline.py`` calls
 pays nothing for this. Times: ``time.monotonic_ns()``, the engine clock of the
 journeys' ``*_mono_ns`` stamps.
 
-A head-sampled request in flight ``VLLM_JOURNEY_OTEL_IN_FLIGHT_S`` after its
-admission becomes an :class:`~vllm_journey_otel.journey.InFlight` record: its
+A request in flight ``VLLM_JOURNEY_OTEL_IN_FLIGHT_S`` after its admission,
+head-sampled or (with the tail rule's ``in_flight`` reason, the default) dropped
+by head sampling, becomes an :class:`~vllm_journey_otel.journey.InFlight` record: its
 journey so far (a copy; the engine thread's state machine is only read), where
 it is now and its open wait. Again at twice that age, four times, ... while it
 stays. The drain thread also encodes and writes them (``pipeline.py``), so the
@@ -98,8 +99,10 @@ class InFlightWatch:
         for request in list(scheduler.requests.values()):
             j: RequestJourney | None = getattr(request, JOURNEY_ATTR, None)
             state = -1 if j is None else j.state  # read once: the engine thread moves it
-            if j is None or not j.head_sampled or state not in _STATES:
+            if j is None or state not in _STATES:
                 continue
+            if not j.head_sampled and not _STATE.tail.in_flight:
+                continue  # head-dropped, and the tail rule does not keep the stuck
             rid = j.request_id
             level = seen[rid] = self.level.get(rid, 0)
             age = now_ns - j.admitted.t_mono_ns
@@ -111,5 +114,8 @@ class InFlightWatch:
             if record is not None:
                 out.append(InFlight(record, level + 1, _STATES[state], j.wait_reason))
                 seen[rid] = level + 1
+                # Kept at its end by the tail rule (a bool written under the GIL;
+                # the engine thread reads it when the request finishes).
+                j.seen_in_flight = True
         self.level = seen
         return out

@@ -131,6 +131,7 @@ class RequestJourney:
         "prompt_tokens",
         "request_id",
         "root_ids",
+        "seen_in_flight",
         "segment",
         "session",
         "spec_decode",
@@ -175,6 +176,9 @@ class RequestJourney:
         # Reason of the open wait inside the queue (-1: none).
         self.wait_reason = -1
         self.head_sampled = head_sampled
+        # Head-dropped and snapshotted in flight (set by the drain thread, read at
+        # the end by the engine thread: the tail rule keeps it).
+        self.seen_in_flight = False
         self.arrival_time_s = arrival_time_s
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens

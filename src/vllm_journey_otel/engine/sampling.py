@@ -103,17 +103,32 @@ class TailRule:
     error: bool = True
     aborted: bool = True
     slow_ns: int | None = None
+    # In flight past VLLM_JOURNEY_OTEL_IN_FLIGHT_S: snapshotted like a head-sampled
+    # request (in_flight.py) and kept at its end, the stuck request being the one
+    # an operator most wants to see.
+    in_flight: bool = True
 
     @property
     def active(self) -> bool:
-        return self.preempted or self.error or self.aborted or self.slow_ns is not None
+        return (
+            self.preempted or self.error or self.aborted or self.in_flight
+            or self.slow_ns is not None
+        )  # fmt: skip
 
-    def keeps(self, error: bool, aborted: bool, num_preemptions: int, duration_ns: int) -> bool:
+    def keeps(
+        self,
+        error: bool,
+        aborted: bool,
+        num_preemptions: int,
+        duration_ns: int,
+        seen_in_flight: bool = False,
+    ) -> bool:
         """Whether a journey head sampling dropped is exported anyway."""
         return (
             (self.preempted and num_preemptions > 0)
             or (self.error and error)
             or (self.aborted and aborted)
+            or (self.in_flight and seen_in_flight)
             or (self.slow_ns is not None and duration_ns >= self.slow_ns)
         )
 
@@ -125,4 +140,5 @@ class TailRule:
             error="error" in reasons,
             aborted="aborted" in reasons,
             slow_ns=slow_ns,
+            in_flight="in_flight" in reasons,
         )

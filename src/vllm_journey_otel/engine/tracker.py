@@ -501,6 +501,7 @@ class SchedulerTracker:
             status == STATUS_ABORTED,
             finished.end.num_preemptions,
             t - finished.admitted.t_mono_ns,
+            j.seen_in_flight,
         ):
             return  # dropped by head sampling, not kept by the tail rule
         self.pipeline.submit(finished)
