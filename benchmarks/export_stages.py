@@ -10,6 +10,10 @@ this process (the same code the exporter process runs, on the same journeys as
 * ``otlp_encode``: the SDK's OTLP encoder (``encode_spans``, what the OTLP
   exporters call) on those spans, in batches of the export stage's size;
 * ``serialize``: protobuf bytes of those requests (gRPC does this on send);
+* ``ours_encode``: what the exporter runs instead of the two above
+  (``otlp_encoder.OtlpEncoder``: the same bytes), and ``ours_to_grpc``: those
+  bytes parsed into the request message and serialized again, as our gRPC
+  exporter hands them to gRPC (``otlp_exporters.py``);
 * ``receiver_parse``: what a Python receiver pays to decode them again.
 
     .venv/bin/python benchmarks/export_stages.py [N] [ROUNDS]
@@ -38,6 +42,7 @@ from vllm_journey_otel.config import Batching
 from vllm_journey_otel.engine.pipe_sink import PipeSink
 from vllm_journey_otel.export.exporter_process import tune_gc
 from vllm_journey_otel.export.exporters import make_resource, span_limits
+from vllm_journey_otel.export.otlp_encoder import OtlpEncoder
 from vllm_journey_otel.export.span_builder import SpanBuilder
 from vllm_journey_otel.export.spans import plan_spans, root_context
 from vllm_journey_otel.wire import DECODER
@@ -55,6 +60,7 @@ def main() -> None:
     ]
     tune_gc()  # as the exporter process does
     builder = SpanBuilder(make_resource(RESOURCE), span_limits())
+    encoder = OtlpEncoder()
     times: dict[str, list[float]] = {}
 
     def timed(stage: str, fn: Callable[[], Any]) -> Any:
@@ -81,15 +87,31 @@ def main() -> None:
             ],
         )
         data = timed("serialize", lambda: [r.SerializeToString() for r in requests])  # noqa: B023
+        ours = timed(
+            "ours_encode",
+            lambda: [
+                encoder.encode(spans[i : i + batch_size])  # noqa: B023
+                for i in range(0, len(spans), batch_size)  # noqa: B023
+            ],
+        )
+        timed(
+            "ours_to_grpc",
+            lambda: [
+                trace_service_pb2.ExportTraceServiceRequest.FromString(d).SerializeToString()
+                for d in ours  # noqa: B023
+            ],
+        )
         timed(
             "receiver_parse",
             lambda: [trace_service_pb2.ExportTraceServiceRequest.FromString(d) for d in data],  # noqa: B023
         )
         spans_per_journey = len(spans) / n
         bytes_per_span = sum(map(len, data)) / len(spans)
-    exporter_stages = ("decode", "plan", "build", "otlp_encode", "serialize")
+    sdk_stages = ("decode", "plan", "build", "otlp_encode", "serialize")
+    our_stages = ("decode", "plan", "build", "ours_encode", "ours_to_grpc")
     medians = {k: statistics.median(v) for k, v in times.items()}
-    total = sum(medians[k] for k in exporter_stages)
+    sdk_total = sum(medians[k] for k in sdk_stages)
+    total = sum(medians[k] for k in our_stages)
     print(
         json.dumps(
             {
@@ -101,6 +123,7 @@ def main() -> None:
                     k: f"{medians[k]:.1f} ({min(v):.1f}, {max(v):.1f})" for k, v in times.items()
                 },
                 "exporter_total_us_per_journey": round(total, 1),
+                "with_the_sdks_encoder_us_per_journey": round(sdk_total, 1),
                 "exporter_journeys_per_s_on_one_core": round(1e6 / total),
             },
             indent=2,

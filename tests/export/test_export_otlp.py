@@ -118,7 +118,9 @@ def test_exporter_selection_follows_sdk_names() -> None:
 
 def test_exporters_come_from_the_sdks_entry_point_group(caplog, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Every name is what an installed package registers (the SDK's own classes
-    here); a name nobody registers is named in a warning, and nothing is exported."""
+    here; its OTLP ones as our subclasses, with our encoding on the installed
+    SDK's internals); a name nobody registers is named in a warning, and
+    nothing is exported."""
     import logging
 
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -126,10 +128,14 @@ def test_exporters_come_from_the_sdks_entry_point_group(caplog, monkeypatch, tmp
 
     from vllm_journey_otel.export.exporters import build_exporters
     from vllm_journey_otel.export.file_exporter import OtlpJsonFileExporter
+    from vllm_journey_otel.export.otlp_exporters import GrpcSpanExporter, HttpSpanExporter
     from vllm_journey_otel.export.span_sink import SpanSink
 
     got = build_exporters({"OTEL_TRACES_EXPORTER": "otlp,console"})
-    assert [type(e) for e in got] == [OTLPSpanExporter, ConsoleSpanExporter]
+    assert [type(e) for e in got] == [GrpcSpanExporter, ConsoleSpanExporter]
+    assert isinstance(got[0], OTLPSpanExporter) and got[0]._fast
+    (http,) = build_exporters({"OTEL_TRACES_EXPORTER": "otlp_proto_http"})
+    assert isinstance(http, HttpSpanExporter) and http._fast
     monkeypatch.setenv("VLLM_JOURNEY_OTEL_FILE", str(tmp_path / "j.jsonl"))
     got = build_exporters({"OTEL_TRACES_EXPORTER": "otlp_json_file"})
     assert [type(e) for e in got] == [OtlpJsonFileExporter]

@@ -28,6 +28,7 @@ from opentelemetry.util.types import AttributeValue
 
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.config import TRACES_EXPORTER, exporter_names
+from vllm_journey_otel.export.otlp_exporters import FAST_EXPORTERS
 
 ENTRY_POINT_GROUP = "opentelemetry_traces_exporter"
 LINK_COUNT_LIMIT = "OTEL_SPAN_LINK_COUNT_LIMIT"
@@ -40,6 +41,8 @@ MAX_LINKS = 16384
 def build_exporters(env: Mapping[str, str] | None = None) -> list[SpanExporter]:
     """Instantiate the configured exporters; each reads its own OTEL_* settings.
 
+    The SDK's OTLP exporters are built as their subclasses of
+    ``otlp_exporters.py`` (the same settings; our OTLP encoding).
     Raises ValueError naming an exporter no installed package registers.
     """
     registered = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
@@ -50,7 +53,9 @@ def build_exporters(env: Mapping[str, str] | None = None) -> list[SpanExporter]:
                 f"{TRACES_EXPORTER}: no installed package provides the span exporter {name!r} "
                 f"(registered: {', '.join(sorted(registered))})"
             )
-        exporters.append(registered[name].load()())
+        cls = registered[name].load()
+        # The SDK's OTLP exporters, with our encoder (otlp_exporters.py).
+        exporters.append(FAST_EXPORTERS.get(cls, cls)())
     return exporters
 
 

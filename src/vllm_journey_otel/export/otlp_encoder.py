@@ -1,0 +1,245 @@
+"""The SDK's ReadableSpans to OTLP protobuf bytes, written directly.
+
+Where: the export stage's thread ("journey-otel-export") of the exporter
+process (or of the engine core in ``thread`` mode). Times are the spans' own
+epoch ns (``start_time``, ``end_time``, event stamps); nothing here reads a clock.
+
+Why: the SDK's encoder (``encode_spans``, opentelemetry-exporter-otlp-proto-common
+1.45) builds one protobuf message object per attribute, per value, per event
+and per link, and was most of the exporter's CPU (docs/performance.md, "Export
+capacity"). This module writes the same message as bytes, field by field, with
+the encoded form of each attribute kept for the (key, value) pairs that repeat
+(names of models, phases, finish reasons, small counts). Its output parses to
+exactly the message ``encode_spans`` builds for the same spans
+(``tests/export/test_otlp_encoder.py`` compares them span for span, for every
+kind of span we emit and for values of each type), so what a backend receives
+is unchanged; only the exporter's CPU is.
+
+The wire format: https://protobuf.dev/programming-guides/encoding/ ; the
+messages: opentelemetry-proto's ``trace/v1/trace.proto`` and ``common/v1/common.proto``
+(proto3: a scalar at its default is left out; a message field that is set is
+written even when empty, as the SDK sets ``status``).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, SpanKind
+from opentelemetry.trace.span import TraceState
+
+_FIXED64 = struct.Struct("<Q").pack
+_FIXED32 = struct.Struct("<I").pack
+_DOUBLE = struct.Struct("<d").pack
+
+# SpanKind -> the proto's enum (SPAN_KIND_INTERNAL = 1, ...; SDK value + 1).
+_KIND = {kind: bytes((0x30, kind.value + 1)) for kind in SpanKind}  # field 6, varint
+
+# Span.flags / Link.flags: SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE_MASK, | IS_REMOTE.
+_HAS_IS_REMOTE = 0x100
+_IS_REMOTE = 0x200
+
+# Encoded attributes kept for the (key, value) pairs that repeat; cleared when
+# this many are kept (unique values, such as request ids, must not grow it).
+_CACHE_LIMIT = 8192
+
+
+def _varint(n: int) -> bytes:
+    if n < 0:  # int64: two's complement, ten bytes
+        n += 1 << 64
+    if n < 0x80:
+        return _SMALL[n]
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+_SMALL = [bytes((i,)) for i in range(0x80)]
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _field(tag: int, payload: bytes) -> bytes:
+    """A length-delimited field: ``tag`` is (number << 3) | 2."""
+    n = len(payload)
+    return bytes((tag, n)) + payload if n < 0x80 else bytes((tag,)) + _varint(n) + payload
+
+
+def _string(tag: int, text: str) -> bytes:
+    return _field(tag, text.encode("utf-8")) if text else b""
+
+
+def _any_value(value: Any) -> bytes:
+    """An AnyValue's body, as the SDK's ``_encode_value`` chooses its case."""
+    if value is None:
+        return b""
+    if isinstance(value, bool):
+        return b"\x10\x01" if value else b"\x10\x00"  # a set oneof is written at its default
+    if isinstance(value, str):
+        return _field(0x0A, value.encode("utf-8"))
+    if isinstance(value, int):
+        if not _INT64_MIN <= value <= _INT64_MAX:
+            raise ValueError(f"integer {value} out of int64 range")
+        return b"\x18" + _varint(value)
+    if isinstance(value, float):
+        return b"\x21" + _DOUBLE(value)
+    if isinstance(value, bytes):
+        return _field(0x3A, value)
+    if isinstance(value, Sequence):
+        return _field(0x2A, b"".join([_field(0x0A, _any_value(v)) for v in value]))
+    if isinstance(value, Mapping):
+        kvs = [_field(0x0A, _key_value(str(k), v)) for k, v in value.items()]
+        return _field(0x32, b"".join(kvs))
+    raise TypeError(f"invalid attribute value type {type(value).__name__}")
+
+
+def _key_value(key: str, value: Any) -> bytes:
+    return _string(0x0A, key) + _field(0x12, _any_value(value))
+
+
+class OtlpEncoder:
+    """ExportTraceServiceRequest bytes for a batch of spans (one thread's)."""
+
+    def __init__(self) -> None:
+        self._attributes: dict[tuple[Any, ...], bytes] = {}
+        self._resources: dict[Resource, bytes] = {}
+        self._scopes: dict[InstrumentationScope | None, bytes] = {}
+
+    def _attrs(self, tag: int, attributes: Mapping[str, Any] | None) -> list[bytes]:
+        """Each attribute as a whole field ``tag`` (its KeyValue), kept if it
+        repeats. A value of a type OTLP has no case for is left out, as the
+        SDK's encoder leaves it out."""
+        if not attributes:
+            return []
+        cache = self._attributes
+        out = []
+        for key, value in attributes.items():
+            hashed = (tag, key, value, type(value))
+            try:
+                encoded = cache.get(hashed)
+                keep = True
+            except TypeError:  # unhashable (a list): not kept
+                encoded, keep = None, False
+            if encoded is None:
+                try:
+                    encoded = _field(tag, _key_value(key, value))
+                except (TypeError, ValueError):
+                    continue
+                if keep:
+                    if len(cache) >= _CACHE_LIMIT:
+                        cache.clear()
+                    cache[hashed] = encoded
+            out.append(encoded)
+        return out
+
+    def _resource(self, resource: Resource) -> bytes:
+        encoded = self._resources.get(resource)
+        if encoded is None:
+            body = b"".join(self._attrs(0x0A, resource.attributes))
+            # ResourceSpans.resource (field 1), always set.
+            encoded = self._resources[resource] = _field(0x0A, body)
+        return encoded
+
+    def _scope(self, scope: InstrumentationScope | None) -> bytes:
+        encoded = self._scopes.get(scope)
+        if encoded is None:
+            body = b""
+            if scope is not None:
+                body = _string(0x0A, scope.name) + _string(0x12, scope.version or "")
+                body += b"".join(self._attrs(0x1A, scope.attributes))
+            encoded = self._scopes[scope] = _field(0x0A, body)  # ScopeSpans.scope
+        return encoded
+
+    def encode(self, spans: Sequence[ReadableSpan]) -> bytes:
+        """The request, grouped by resource then scope, in first-seen order (as the SDK's)."""
+        groups: dict[Resource, dict[InstrumentationScope | None, list[bytes]]] = {}
+        for span in spans:
+            scopes = groups.setdefault(span.resource, {})
+            scopes.setdefault(span.instrumentation_scope or None, []).append(self._span(span))
+        out = []
+        for resource, scopes in groups.items():
+            body = [self._resource(resource)]
+            for scope, encoded in scopes.items():
+                scope_body = [self._scope(scope), *encoded]
+                if scope is not None and scope.schema_url:
+                    scope_body.append(_string(0x1A, scope.schema_url))
+                body.append(_field(0x12, b"".join(scope_body)))  # ResourceSpans.scope_spans
+            body.append(_string(0x1A, resource.schema_url))
+            out.append(_field(0x0A, b"".join(body)))  # ExportTraceServiceRequest.resource_spans
+        return b"".join(out)
+
+    def _span(self, span: ReadableSpan) -> bytes:
+        """ScopeSpans.spans (field 2): one Span."""
+        ctx = span.get_span_context()
+        assert ctx is not None  # a ReadableSpan always has one
+        parts = [
+            b"\x0a\x10" + ctx.trace_id.to_bytes(16, "big"),
+            b"\x12\x08" + ctx.span_id.to_bytes(8, "big"),
+            _string(0x1A, _trace_state(ctx.trace_state)),
+        ]
+        parent = span.parent
+        if parent:
+            parts.append(b"\x22\x08" + parent.span_id.to_bytes(8, "big"))
+        parts.append(_string(0x2A, span.name))
+        parts.append(_KIND[span.kind])
+        if span.start_time:
+            parts.append(b"\x39" + _FIXED64(span.start_time))
+        if span.end_time:
+            parts.append(b"\x41" + _FIXED64(span.end_time))
+        parts.extend(self._attrs(0x4A, span.attributes))
+        if span.dropped_attributes:
+            parts.append(b"\x50" + _varint(span.dropped_attributes))
+        for event in span.events:
+            parts.append(_field(0x5A, self._event(event.name, event.timestamp, event)))
+        if span.dropped_events:
+            parts.append(b"\x60" + _varint(span.dropped_events))
+        for link in span.links:
+            parts.append(_field(0x6A, self._link(link.context, link)))
+        if span.dropped_links:
+            parts.append(b"\x70" + _varint(span.dropped_links))
+        parts.append(_field(0x7A, _status(span)))
+        parts.append(b"\x85\x01" + _FIXED32(_flags(parent)))  # field 16, fixed32
+        return _field(0x12, b"".join(parts))
+
+    def _event(self, name: str, timestamp: int, event: Any) -> bytes:
+        parts = [b"\x09" + _FIXED64(timestamp) if timestamp else b"", _string(0x12, name)]
+        parts.extend(self._attrs(0x1A, event.attributes))
+        if event.dropped_attributes:
+            parts.append(b"\x20" + _varint(event.dropped_attributes))
+        return b"".join(parts)
+
+    def _link(self, ctx: SpanContext, link: Any) -> bytes:
+        parts = [
+            b"\x0a\x10" + ctx.trace_id.to_bytes(16, "big"),
+            b"\x12\x08" + ctx.span_id.to_bytes(8, "big"),
+        ]
+        parts.extend(self._attrs(0x22, link.attributes))
+        if link.dropped_attributes:
+            parts.append(b"\x28" + _varint(link.dropped_attributes))
+        parts.append(b"\x35" + _FIXED32(_flags(ctx)))  # field 6, fixed32
+        return b"".join(parts)
+
+
+def _trace_state(state: TraceState | None) -> str:
+    return ",".join(f"{k}={v}" for k, v in state.items()) if state is not None else ""
+
+
+def _flags(context: SpanContext | None) -> int:
+    """As the SDK's ``_span_flags``: whether the parent (or linked) context is remote."""
+    if context and context.is_remote:
+        return _HAS_IS_REMOTE | _IS_REMOTE
+    return _HAS_IS_REMOTE
+
+
+def _status(span: ReadableSpan) -> bytes:
+    status = span.status
+    code = status.status_code.value
+    body = _string(0x12, status.description or "")
+    return body + (b"\x18" + _varint(code) if code else b"")
