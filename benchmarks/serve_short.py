@@ -125,6 +125,8 @@ def one_round(mode: str, env: dict[str, str], args: argparse.Namespace, tmp: Pat
         command = ["taskset", "-c", rest, str(ROOT / ".venv" / "bin" / "vllm")]
     server = VllmServer(args.model, tmp / f"{mode}-{n}.log", env, command=command)
     exporters: list[int] = []
+    row: dict[str, Any] = {}
+    first_request = len(args.receiver.requests)
     try:
         server.wait_ready()
         # One of each kind through a real client first: the lengths the load asks for.
@@ -142,7 +144,7 @@ def one_round(mode: str, env: dict[str, str], args: argparse.Namespace, tmp: Pat
         cpu = {role: cpu_s(pid) - before[role] for role, pid in pids.items()}
         if exporters:
             cpu["exporters"] = sum(cpu_s(p) for p in exporters) - before_exp
-        row: dict[str, Any] = {
+        row = {
             "mode": mode,
             "requests": done,
             "requests_per_s": round(done / wall, 1),
@@ -161,10 +163,38 @@ def one_round(mode: str, env: dict[str, str], args: argparse.Namespace, tmp: Pat
                 ]
                 for r, pid in pids.items()
             }
-        return row
     finally:
         server.stop()
         settle(exporters)
+    if env.get("VLLM_JOURNEY_OTEL") != "0":
+        row["exported"] = exported(args.receiver, first_request)
+    return row
+
+
+def exported(receiver: Receiver, first: int) -> dict[str, int]:
+    """The round's journeys at the receiver (its exporters have exited: all
+    delivered), and the largest drop count their roots reported: a mode that
+    kept up by dropping journeys is not free."""
+    from vllm_journey_otel import schema as S
+
+    counts: Counter[str] = Counter()
+    dropped = 0
+    with receiver.lock:
+        requests = receiver.requests[first:]
+    for req in requests:
+        for rs in req.resource_spans:
+            for ss in rs.scope_spans:
+                for span in ss.spans:
+                    if span.name in (S.SPAN_REQUEST, S.SPAN_API):
+                        counts[span.name] += 1
+                        for kv in span.attributes:
+                            if kv.key == S.TRACER_DROPPED_JOURNEYS:
+                                dropped = max(dropped, kv.value.int_value)
+    return {
+        "engine_journeys": counts[S.SPAN_REQUEST],
+        "api_journeys": counts[S.SPAN_API],
+        "dropped_journeys": dropped,
+    }
 
 
 def _nice(pid: int, tid: object) -> int | None:
@@ -205,6 +235,10 @@ def _cpu_medians(rows: list[dict[str, Any]]) -> dict[str, int] | None:
     }
 
 
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None
+
+
 def report(rows: list[dict[str, Any]], modes: list[str], failed: Counter[str]) -> dict[str, Any]:
     fastest = max(row["requests_per_s"] for row in rows)
     out: dict[str, Any] = {
@@ -220,6 +254,20 @@ def report(rows: list[dict[str, Any]], modes: list[str], failed: Counter[str]) -
             "slow_rounds": len(mine) - len(fast),
             "requests_per_s": quantiles([row["requests_per_s"] for row in mine]),
             "cpu_us_per_request_median": _cpu_medians(mine),
+            "server_cpu_us_per_request_median": _median(
+                [sum(row["cpu_us_per_request"].values()) for row in mine]
+            ),
+            "journeys_exported_per_request": _median(
+                [
+                    row["exported"]["engine_journeys"] / row["requests"]
+                    for row in mine
+                    if "exported" in row
+                ]
+            ),
+            "dropped_journeys_max": max(
+                (row["exported"]["dropped_journeys"] for row in mine if "exported" in row),
+                default=None,
+            ),
             "requests_per_s_fast_rounds": quantiles([row["requests_per_s"] for row in fast]),
             "cpu_us_per_request_median_fast_rounds": _cpu_medians(fast),
         }
@@ -229,6 +277,9 @@ def report(rows: list[dict[str, Any]], modes: list[str], failed: Counter[str]) -
             continue
         ratios[f"{mode}/off"] = {
             "requests_per_s": within_round(rows, mode, "off", lambda r: r["requests_per_s"]),
+            "server_cpu_per_request (every process)": within_round(
+                rows, mode, "off", lambda r: sum(r["cpu_us_per_request"].values())
+            ),
             "api_server_cpu_per_request": within_round(
                 rows, mode, "off", lambda r: r["cpu_us_per_request"]["api_server"]
             ),
@@ -274,6 +325,7 @@ def main() -> None:
     args.model = build(ROOT / ".cache" / "tiny-llama")
     receiver = Receiver()
     receiver.start_grpc()
+    args.receiver = receiver
     from vllm_journey_otel.config import API_SPANS, EXPORT_INTERVAL_MS, Batching, Config
 
     on = {

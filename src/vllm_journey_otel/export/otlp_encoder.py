@@ -111,6 +111,10 @@ class OtlpEncoder:
         self._attributes: dict[tuple[Any, ...], bytes] = {}
         self._resources: dict[Resource, bytes] = {}
         self._scopes: dict[InstrumentationScope | None, bytes] = {}
+        self._names: dict[tuple[str, SpanKind], bytes] = {}  # name and kind, encoded
+        self._statuses: dict[tuple[Any, str | None], bytes] = {}
+        self._trace_id = -1
+        self._trace_field = b""
 
     def _attrs(self, tag: int, attributes: Mapping[str, Any] | None) -> list[bytes]:
         """Each attribute as a whole field ``tag`` (its KeyValue), kept if it
@@ -179,16 +183,21 @@ class OtlpEncoder:
         """ScopeSpans.spans (field 2): one Span."""
         ctx = span.get_span_context()
         assert ctx is not None  # a ReadableSpan always has one
-        parts = [
-            b"\x0a\x10" + ctx.trace_id.to_bytes(16, "big"),
-            b"\x12\x08" + ctx.span_id.to_bytes(8, "big"),
-            _string(0x1A, _trace_state(ctx.trace_state)),
-        ]
+        if ctx.trace_id != self._trace_id:  # a journey's spans share theirs
+            self._trace_id = ctx.trace_id
+            self._trace_field = b"\x0a\x10" + ctx.trace_id.to_bytes(16, "big")
+        parts = [self._trace_field, b"\x12\x08" + ctx.span_id.to_bytes(8, "big")]
+        if ctx.trace_state:
+            parts.append(_string(0x1A, _trace_state(ctx.trace_state)))
         parent = span.parent
         if parent:
             parts.append(b"\x22\x08" + parent.span_id.to_bytes(8, "big"))
-        parts.append(_string(0x2A, span.name))
-        parts.append(_KIND[span.kind])
+        head = self._names.get((span.name, span.kind))
+        if head is None:
+            head = _string(0x2A, span.name) + _KIND[span.kind]
+            if len(self._names) < _CACHE_LIMIT:
+                self._names[(span.name, span.kind)] = head
+        parts.append(head)
         if span.start_time:
             parts.append(b"\x39" + _FIXED64(span.start_time))
         if span.end_time:
@@ -204,8 +213,14 @@ class OtlpEncoder:
             parts.append(_field(0x6A, self._link(link.context, link)))
         if span.dropped_links:
             parts.append(b"\x70" + _varint(span.dropped_links))
-        parts.append(_field(0x7A, _status(span)))
-        parts.append(b"\x85\x01" + _FIXED32(_flags(parent)))  # field 16, fixed32
+        status = span.status
+        encoded = self._statuses.get((status.status_code, status.description))
+        if encoded is None:
+            encoded = _field(0x7A, _status(status.status_code.value, status.description))
+            if len(self._statuses) < _CACHE_LIMIT:
+                self._statuses[(status.status_code, status.description)] = encoded
+        parts.append(encoded)
+        parts.append(_FLAGS_REMOTE if parent is not None and parent.is_remote else _FLAGS_LOCAL)
         return _field(0x12, b"".join(parts))
 
     def _event(self, name: str, timestamp: int, event: Any) -> bytes:
@@ -231,6 +246,10 @@ def _trace_state(state: TraceState | None) -> str:
     return ",".join(f"{k}={v}" for k, v in state.items()) if state is not None else ""
 
 
+_FLAGS_LOCAL = b"\x85\x01" + _FIXED32(_HAS_IS_REMOTE)  # Span.flags: field 16, fixed32
+_FLAGS_REMOTE = b"\x85\x01" + _FIXED32(_HAS_IS_REMOTE | _IS_REMOTE)
+
+
 def _flags(context: SpanContext | None) -> int:
     """As the SDK's ``_span_flags``: whether the parent (or linked) context is remote."""
     if context and context.is_remote:
@@ -238,8 +257,6 @@ def _flags(context: SpanContext | None) -> int:
     return _HAS_IS_REMOTE
 
 
-def _status(span: ReadableSpan) -> bytes:
-    status = span.status
-    code = status.status_code.value
-    body = _string(0x12, status.description or "")
+def _status(code: int, description: str | None) -> bytes:
+    body = _string(0x12, description or "")
     return body + (b"\x18" + _varint(code) if code else b"")
