@@ -89,3 +89,39 @@ def test_modules_and_functions_stay_small() -> None:
                 if length > 80:
                     big.append(f"{path.relative_to(PKG)}:{node.name}: {length} lines")
     assert big == []
+
+
+# The shared modules that are contracts between the roles: every name, value
+# and record format in one place, whichever role reads each part of it.
+CONTRACTS = {"config", "schema", "journey", "wire", "clock", "rng", "log", "switch", "plugin"}
+
+
+def _users(module: str, name: str) -> set[str]:
+    """The roles (engine, export, tools; a shared module by its own name) that import ``name``."""
+    found = set()
+    for path in PKG.rglob("*.py"):
+        rel = path.relative_to(PKG)
+        role = rel.parts[0] if len(rel.parts) > 1 else rel.stem
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module == f"vllm_journey_otel.{module}"
+                and any(alias.name == name for alias in node.names)
+            ):
+                found.add(role)
+    return found
+
+
+def test_a_shared_module_holds_only_what_several_roles_use() -> None:
+    """Code that one role runs lives in that role's package (a shared module
+    besides the contracts is for what more than one role calls)."""
+    single = []
+    for path in modules(""):
+        if path.stem in CONTRACTS or path.name == "__init__.py":
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef | ast.ClassDef) and not node.name.startswith("_"):
+                users = _users(path.stem, node.name)
+                if len(users) < 2:
+                    single.append(f"{path.name}: {node.name} used by {sorted(users)}")
+    assert single == []

@@ -1,55 +1,24 @@
-"""Our code yields the CPU to vLLM's: the lowest CPU priority, off the cores vLLM binds.
+"""Our threads yield the CPU to vLLM's: the lowest CPU priority a thread may take.
 
-An observer must be the first to yield. vLLM's engine-core loop is one busy
-thread per engine, and its CPU backend binds the model worker's threads to
-cores of their own and busy-waits between steps: a slice of CPU that one of
-our processes takes on those cores, or from the engine core, delays a step
-(docs/performance.md, "CPU placement", shows what that cost before and after).
-
-Where it runs, and what it applies:
-
-* the exporter process, main thread, first thing in ``main()``, before the
-  process starts any other thread, so every thread it starts later (the SDK's
-  export worker, gRPC's) inherits both: the priority
-  (``VLLM_JOURNEY_OTEL_CPU_PRIORITY``: Linux ``SCHED_IDLE``, else nice 19) and
-  the CPUs (``VLLM_JOURNEY_OTEL_EXPORTER_CPUS``: by default every CPU it may use
-  except those vLLM's threads are bound to, read from the affinity of the
-  threads of the engine core's process tree). A re-check thread there follows
-  bindings that appear later (engine cores of other data-parallel ranks);
-* the threads of ours in the engine core (the drain thread; in ``thread`` mode
-  the export stage's), once when each starts: nice 19 and vLLM's CPUs. They
-  take the engine core's GIL: at SCHED_IDLE, or pinned away from a CPU, one
-  preempted while holding it could keep the engine thread waiting for it
-  (:func:`lower_priority`).
+Shared by both roles: the engine core's threads of ours (the pipeline's drain
+thread; in ``thread`` mode the export stage's) and the exporter process's main
+thread (whose later threads inherit it) lower their own priority with
+:func:`lower_priority`, once when each starts. Where each role places itself on
+the CPUs is its own: ``export/cpu_placement.py`` (the exporter, off the CPUs
+vLLM binds) and ``engine/exporter_launch.py`` (which process trees it tells the
+exporter to look at).
 
 Nothing here needs a privilege: a thread may always lower its own priority
-(SCHED_IDLE where the kernel allows it, nice 19 otherwise). What was applied,
-or refused, is said once in the log. No timestamps.
+(SCHED_IDLE where the kernel allows it, nice 19 otherwise). No timestamps.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import threading
-import time
-from collections.abc import Iterable, Sequence
 
-from vllm_journey_otel.config import (
-    CPU_PRIORITY,
-    CPUS_ALL,
-    CPUS_AUTO,
-    EXPORTER_CPUS,
-    PRIORITY_IDLE,
-    PRIORITY_NORMAL,
-    parse_cpu_list,
-)
-from vllm_journey_otel.log import logger
+from vllm_journey_otel.config import CPU_PRIORITY, PRIORITY_IDLE, PRIORITY_NORMAL
 
 NICEST = 19
-# After the first placement, the exporter looks at vLLM's bindings again after
-# these many seconds, then every last one.
-RECHECK_S = (5.0, 30.0, 60.0)
 
 
 def lower_priority(setting: str, shares_gil: bool = False) -> str:
@@ -84,185 +53,3 @@ def lower_priority(setting: str, shares_gil: bool = False) -> str:
         return f"{refused}nice {NICEST}"
     except (OSError, AttributeError) as exc:
         return f"{refused}nice refused ({exc}): priority unchanged"
-
-
-def placement_roots() -> list[int]:
-    """Engine core side: the processes whose trees hold vLLM's bound threads.
-
-    This process and its children (the model workers); and, when it was started
-    by multiprocessing (vLLM's engine-core process), its parent's tree too,
-    where the engine cores of other data-parallel ranks and their workers live.
-    """
-    roots = [os.getpid()]
-    if multiprocessing.parent_process() is not None:
-        roots.append(os.getppid())
-    return roots
-
-
-def format_cpus(cpus: Iterable[int]) -> str:
-    """(0, 1, 2, 5) -> ``"0-2,5"`` (Linux's cpulist format)."""
-    ordered = sorted(set(cpus))
-    parts: list[str] = []
-    start = prev = -2
-    for cpu in [*ordered, -2]:
-        if cpu != prev + 1:
-            if start >= 0:
-                parts.append(str(start) if start == prev else f"{start}-{prev}")
-            start = cpu
-        prev = cpu
-    return ",".join(parts)
-
-
-def _children() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                text = f.read()
-        except OSError:
-            continue  # gone meanwhile
-        ppid = int(text[text.rindex(b")") + 2 :].split()[1])
-        kids.setdefault(ppid, []).append(int(entry))
-    return kids
-
-
-def _is_vllm(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"vllm" in f.read()
-    except OSError:
-        return False
-
-
-def usable_cpus() -> set[int]:
-    """The CPUs this process's cgroup lets it use (cgroup v2
-    ``cpuset.cpus.effective``), else its own affinity: what it inherited may
-    be narrower, if the thread that started it was pinned."""
-    try:
-        with open("/proc/self/cgroup") as f:
-            path = next(line.split("::", 1)[1].strip() for line in f if line.startswith("0::"))
-        with open(f"/sys/fs/cgroup{path}/cpuset.cpus.effective") as f:
-            cpus = parse_cpu_list(f.read().strip())
-    except (OSError, StopIteration, IndexError):
-        cpus = None
-    own = set(os.sched_getaffinity(0))
-    return set(cpus) if cpus else own
-
-
-def bound_cpus(roots: Sequence[int], allowed: set[int]) -> set[int]:
-    """CPUs that a thread of ``roots`` or of their descendants is bound to: a
-    thread allowed on fewer CPUs than ``allowed`` (what this process may use)
-    was bound by someone, vLLM's CPU backend or its user (taskset, numactl)."""
-    kids = _children()
-    seen: set[int] = set()
-    # pid 1 is a root only where it is vLLM itself (a container's entry point),
-    # never a host's init, whose tree is every process of the machine.
-    todo = [pid for pid in roots if pid > 1 or (pid == 1 and _is_vllm(1))]
-    bound: set[int] = set()
-    while todo:
-        pid = todo.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        todo.extend(kids.get(pid, ()))
-        if pid == os.getpid():
-            continue  # our own threads: the ones we pin would count as vLLM's
-        try:
-            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                cpus = os.sched_getaffinity(tid) & allowed
-            except OSError:
-                continue
-            if cpus and cpus != allowed:
-                bound |= cpus
-    return bound
-
-
-def choose_cpus(
-    setting: str | tuple[int, ...], allowed: set[int], bound: set[int]
-) -> tuple[set[int] | None, str]:
-    """The exporter's CPUs (None: leave them as inherited) and why, for the log."""
-    if setting == CPUS_ALL:
-        return None, f"every CPU it may use, {format_cpus(allowed)} ({EXPORTER_CPUS}={CPUS_ALL})"
-    if isinstance(setting, tuple):
-        wanted = set(setting) & allowed
-        if not wanted:
-            return None, (
-                f"every CPU it may use, {format_cpus(allowed)}: none of {EXPORTER_CPUS}="
-                f"{format_cpus(setting)} is allowed to this process"
-            )
-        return wanted, f"CPUs {format_cpus(wanted)} ({EXPORTER_CPUS})"
-    if not bound:
-        return None, f"every CPU it may use, {format_cpus(allowed)} (vLLM binds no thread)"
-    rest = allowed - bound
-    if not rest:
-        return None, (
-            f"every CPU it may use, {format_cpus(allowed)}: vLLM's threads are bound to all of them"
-        )
-    return rest, (
-        f"CPUs {format_cpus(rest)}, off {format_cpus(bound)} where vLLM's threads are bound"
-    )
-
-
-def pin_this_process(cpus: set[int]) -> None:
-    """Every thread of this process onto ``cpus`` (affinity is per thread on Linux)."""
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-        except OSError:
-            continue  # a thread that ended meanwhile
-
-
-class ExporterPlacement:
-    """The exporter process's priority and CPUs (exporter process, main thread;
-    the re-check on a daemon thread of its own)."""
-
-    def __init__(self, priority: str, cpus: str | tuple[int, ...], roots: Sequence[int]) -> None:
-        self.priority = priority
-        self.setting = cpus
-        self.roots = list(roots)
-        self.chosen: set[int] | None = None
-        self.allowed: set[int] = usable_cpus() if hasattr(os, "sched_getaffinity") else set()
-
-    def _place(self) -> str:
-        if not self.allowed:
-            return "its CPUs unchanged (no CPU affinity on this platform)"
-        bound = bound_cpus(self.roots, self.allowed) if self.setting == CPUS_AUTO else set()
-        cpus, why = choose_cpus(self.setting, self.allowed, bound)
-        if cpus != self.chosen:
-            pin_this_process(cpus if cpus is not None else self.allowed)
-            self.chosen = cpus
-        return why
-
-    def apply(self) -> str:
-        """Priority and CPUs now; returns the log line's text. Never raises."""
-        try:
-            return f"CPU priority {lower_priority(self.priority)}; {self._place()}"
-        except Exception as exc:  # placement must never stop the exporter
-            return f"CPU placement failed ({exc!r}); running as inherited"
-
-    def start_rechecks(self) -> None:
-        """Follow vLLM's bindings as they appear (only with the automatic choice)."""
-        if self.setting != CPUS_AUTO or not self.allowed:
-            return
-        threading.Thread(target=self._recheck, name="journey-otel-cpus", daemon=True).start()
-
-    def _recheck(self) -> None:
-        waits = iter(RECHECK_S)
-        wait = next(waits)
-        while True:
-            time.sleep(wait)
-            before = self.chosen
-            try:
-                why = self._place()
-            except Exception:  # a /proc read that raced with a process's exit
-                logger.debug("journey-otel exporter: CPU re-check failed", exc_info=True)
-                continue
-            if self.chosen != before:
-                logger.info("journey-otel exporter: now on %s", why)
-            wait = next(waits, wait)

@@ -15,9 +15,10 @@ import pytest
 
 from services import wait_until
 from vllm_journey_otel import config as C
-from vllm_journey_otel.cpu_yield import bound_cpus, choose_cpus, format_cpus, lower_priority
+from vllm_journey_otel.cpu_yield import lower_priority
 from vllm_journey_otel.engine.pipe_sink import PipeSink
 from vllm_journey_otel.engine.pipeline import JourneyPipeline
+from vllm_journey_otel.export.cpu_placement import bound_cpus, choose_cpus, format_cpus
 
 ALLOWED = os.sched_getaffinity(0)
 needs_two_cpus = pytest.mark.skipif(

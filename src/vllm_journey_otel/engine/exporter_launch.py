@@ -8,19 +8,36 @@ drain thread's; its times are ``time.monotonic()`` seconds.
 The exporter is started through a short-lived launcher so that it is not a
 descendant of the engine core: vLLM's ``kill_process_tree`` kills descendants,
 and the exporter must outlive the engine core to export what the pipe still
-holds. It inherits the engine core's environment.
+holds. It inherits the engine core's environment, and is told which process
+trees hold vLLM's bound threads (:func:`placement_roots`), to keep off their
+CPUs (``export/cpu_placement.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import multiprocessing
 import os
 import subprocess
 import sys
 from collections import deque
 
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # Linux
+
+
+def placement_roots() -> list[int]:
+    """The processes whose trees hold vLLM's bound threads.
+
+    This process and its children (the model workers); and, when it was started
+    by multiprocessing (vLLM's engine-core process), its parent's tree too,
+    where the engine cores of other data-parallel ranks and their workers live.
+    """
+    roots = [os.getpid()]
+    if multiprocessing.parent_process() is not None:
+        roots.append(os.getppid())
+    return roots
+
 
 # Starts the exporter in a new session and writes its pid to the fd in argv[1].
 _LAUNCHER = (

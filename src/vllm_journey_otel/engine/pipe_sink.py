@@ -25,8 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from vllm_journey_otel.config import EXPORTER_PROCESSES, QUEUE_SIZE
-from vllm_journey_otel.cpu_yield import placement_roots
-from vllm_journey_otel.engine.exporter_launch import Restarts, launch
+from vllm_journey_otel.engine.exporter_launch import Restarts, launch, placement_roots
 from vllm_journey_otel.journey import Record
 from vllm_journey_otel.log import logger
 from vllm_journey_otel.wire import ENCODER, FRAME_HEADER, Frame

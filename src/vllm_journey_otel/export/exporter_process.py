@@ -16,7 +16,7 @@ Clock: CLOCK_MONOTONIC is system-wide, so this process's wall-mono-wall anchor
 converts the engine core's ``*_mono_ns`` stamps correctly (same host).
 
 It runs at the lowest CPU priority and off the CPUs vLLM binds its threads to
-(cpu_yield.py), applied before it starts any thread.
+(export/cpu_placement.py), applied before it starts any thread.
 
     python -m vllm_journey_otel.export.exporter_process '<resource attributes as JSON>' \
         [<pids whose process trees hold vLLM's bound threads, comma-separated>]
@@ -33,7 +33,7 @@ import sys
 from typing import Any
 
 from vllm_journey_otel.config import from_env
-from vllm_journey_otel.cpu_yield import ExporterPlacement
+from vllm_journey_otel.export.cpu_placement import ExporterPlacement
 from vllm_journey_otel.export.health import ExportHealth, SdkLogQuieter
 from vllm_journey_otel.export.span_sink import SpanSink
 from vllm_journey_otel.log import logger
