@@ -58,7 +58,7 @@ from vllm_journey_otel.export.spans import plan_spans
 from vllm_journey_otel.journey import STATUS_LENGTH, FinishedJourney
 
 MS = 1_000_000
-# What the plugin puts on the resource in vLLM (hooks._resource_attributes).
+# What the plugin puts on the resource in vLLM (handoff._resource_attributes).
 RESOURCE = {
     S.RES_SERVICE_NAME: "bench",
     S.RES_MODEL: "Qwen/Qwen2.5-0.5B-Instruct",

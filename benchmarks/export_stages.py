@@ -4,7 +4,7 @@ The exporter's work for one frame of journeys, each stage timed on its own in
 this process (the same code the exporter process runs, on the same journeys as
 ``export_bench.py``), repeated in rounds so a noisy machine shows as spread:
 
-* ``decode``: msgspec frames to :class:`FinishedJourney` (``sinks.read_frames``);
+* ``decode``: msgspec frames to :class:`FinishedJourney` (``wire.read_frames``);
 * ``plan``: ``spans.plan_spans`` and ``spans.root_context``;
 * ``build``: ``span_builder.SpanBuilder`` (the SDK's ReadableSpans, directly);
 * ``otlp_encode``: the SDK's OTLP encoder (``encode_spans``, what the OTLP

@@ -30,7 +30,7 @@ os.environ.setdefault("OTEL_TRACES_EXPORTER", "none")
 import scheduler_bench as sb
 
 from vllm_journey_otel.config import Config
-from vllm_journey_otel.engine import hooks
+from vllm_journey_otel.engine import hooks, scheduler_wrappers, tracker
 
 METHODS = (
     "before_add",
@@ -89,7 +89,7 @@ def wrapper_dispatch_ns(n: int = 200_000) -> float:
             return x
 
     s = S()
-    wrapped = hooks._wrap_schedule(S.m)
+    wrapped = scheduler_wrappers._wrap_schedule(S.m)
     t0 = time.perf_counter_ns()
     for _ in range(n):
         S.m(s, 1)
@@ -107,7 +107,9 @@ def main() -> None:
     traceparent = "traceparent" in sys.argv[3:]
     hooks.install(Config(enabled=True, steps=step_view))
     for name in METHODS:
-        setattr(hooks.SchedulerTracker, name, timed(name, getattr(hooks.SchedulerTracker, name)))
+        setattr(
+            tracker.SchedulerTracker, name, timed(name, getattr(tracker.SchedulerTracker, name))
+        )
     d = sb.Driver("on", running, 3, "01" if traceparent else None)
     for _ in range(60):
         d.step()

@@ -39,7 +39,7 @@ else:
 import scheduler_bench as sb  # noqa: E402
 
 from vllm_journey_otel.config import Config  # noqa: E402
-from vllm_journey_otel.engine import hooks  # noqa: E402
+from vllm_journey_otel.engine import handoff, hooks, state  # noqa: E402
 
 
 def rss_mib(pid: int | str = "self") -> float:
@@ -64,20 +64,20 @@ def main() -> None:
         if d.finished >= next_mark:
             gc.collect()
             sample = [d.finished, round(rss_mib(), 1)]
-            pipeline = hooks.pipeline()
+            pipeline = handoff.pipeline()
             pid = getattr(pipeline.sink, "pid", None) if pipeline else None
             if pid:
                 sample.append(round(rss_mib(pid), 1))
             samples.append(tuple(sample))
             next_mark += 10_000
-    tracker = d.engine.scheduler.__dict__.get(hooks.TRACKER_ATTR)
+    tracker = d.engine.scheduler.__dict__.get(state.TRACKER_ATTR)
     print(json.dumps({
         "mode": mode,
         "finished": d.finished,
         "preemptions": d.preemptions,
         "rss_mib_every_10k (finished, engine[, exporter])": samples,
         "awaiting_left": len(tracker.awaiting) if tracker else None,
-        "dropped": hooks.pipeline().dropped if hooks.pipeline() else None,
+        "dropped": handoff.pipeline().dropped if handoff.pipeline() else None,
     }))  # fmt: skip
     if traced:
         hooks.uninstall()

@@ -54,7 +54,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 import harness
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.config import Batching, Config
-from vllm_journey_otel.engine import hooks
+from vllm_journey_otel.engine import handoff, hooks
 
 MIXES: dict[str, dict[str, Any]] = {
     "short": {"prompt": (64, 512), "out": (16, 256), "chunk": 2048, "kv": None},
@@ -141,7 +141,7 @@ def measure(name: str, n: int, running: int, seed: int, exp: InMemorySpanExporte
     exp.clear()
     t0 = time.perf_counter()
     engine = drive(mix, n, running, random.Random(seed))
-    assert hooks.flush(30.0)
+    assert handoff.flush(30.0)
     spans = list(exp.get_finished_spans())
     drive_s = time.perf_counter() - t0
     steps = [sp for sp in spans if sp.name == S.SPAN_STEP]

@@ -30,7 +30,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 import harness
 from vllm_journey_otel.config import Config
 from vllm_journey_otel.engine import hooks
-from vllm_journey_otel.engine.hooks import TRACKER_ATTR
+from vllm_journey_otel.engine.state import TRACKER_ATTR
 
 
 def measure(running: int) -> dict[str, object]:

@@ -30,7 +30,7 @@ import scheduler_bench as sb
 
 from vllm_journey_otel.config import Config
 from vllm_journey_otel.engine import hooks
-from vllm_journey_otel.engine.hooks import TRACKER_ATTR
+from vllm_journey_otel.engine.state import TRACKER_ATTR
 from vllm_journey_otel.journey import StepRecord
 from vllm_journey_otel.wire import ENCODER
 

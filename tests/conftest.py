@@ -59,9 +59,9 @@ class Tracing:
         self.exporter = exporter
 
     def spans(self):  # type: ignore[no-untyped-def]
-        from vllm_journey_otel.engine import hooks
+        from vllm_journey_otel.engine import handoff
 
-        assert hooks.flush(10.0)
+        assert handoff.flush(10.0)
         return self.exporter.get_finished_spans()
 
     def journeys(self):  # type: ignore[no-untyped-def]

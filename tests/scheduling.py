@@ -9,7 +9,7 @@ SCHEDULERS = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sy
 
 
 def assert_no_state_left(engine) -> None:  # type: ignore[no-untyped-def]
-    from vllm_journey_otel.engine.hooks import JOURNEY_ATTR, TRACKER_ATTR
+    from vllm_journey_otel.engine.state import JOURNEY_ATTR, TRACKER_ATTR
 
     tracker = engine.scheduler.__dict__[TRACKER_ATTR]
     assert tracker.awaiting == {}

@@ -5,6 +5,7 @@ modules at the top import none of the three (the plugin entry point excepted).""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -125,3 +126,72 @@ def test_a_shared_module_holds_only_what_several_roles_use() -> None:
                 if len(users) < 2:
                     single.append(f"{path.name}: {node.name} used by {sorted(users)}")
     assert single == []
+
+
+ROOT = PKG.parent.parent
+# Files of other projects our comments name (vLLM's own module).
+EXTERNAL_FILES = {"envs.py"}
+_FILE_NAME = re.compile(r"(?<![\w/.-])([A-Za-z_]\w*\.py)\b")
+_OUR_MODULE = re.compile(r"\bvllm_journey_otel((?:\.[a-z_]\w*)+)")
+
+
+def _texts() -> list[Path]:
+    parts = ("src", "tests", "benchmarks", "docs", "scripts", "deploy", "examples")
+    found = [ROOT / "README.md"]
+    for part in parts:
+        found += [
+            p
+            for p in (ROOT / part).rglob("*")
+            if p.suffix in (".py", ".md", ".sh", ".yaml", ".yml", ".lua")
+        ]
+    return found
+
+
+def _resolves(dotted: str) -> bool:
+    path = PKG
+    for name in dotted.split("."):
+        if name.startswith("__"):  # a module's own attribute (__file__, __version__)
+            return True
+        if not (path / name).is_dir():
+            # A module (what follows names something in it), or nothing.
+            return (path / f"{name}.py").is_file()
+        path = path / name
+    return True
+
+
+def test_every_file_and_module_a_comment_or_doc_names_exists() -> None:
+    """A comment, docstring or page that names a file or one of our modules
+    names one that exists (not one since moved or deleted)."""
+    ours = [p for p in ROOT.rglob("*.py") if not {".venv", ".cache"} & set(p.parts)]
+    names = {p.name for p in ours}
+    stale = []
+    for path in _texts():
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            for m in _FILE_NAME.finditer(line):
+                if m.group(1) not in names | EXTERNAL_FILES:
+                    stale.append(f"{path.relative_to(ROOT)}:{n}: {m.group(1)}")
+            for m in _OUR_MODULE.finditer(line):
+                if not _resolves(m.group(1)[1:]):
+                    stale.append(f"{path.relative_to(ROOT)}:{n}: vllm_journey_otel{m.group(1)}")
+    assert stale == []
+
+
+def test_no_module_re_exports_what_it_imports() -> None:
+    """Tests and benchmarks import a name from the module that defines it, so
+    each module's surface is what it runs (no ``__all__`` of imported names)."""
+    offenders = []
+    for path in PKG.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        defined = {
+            n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef)
+        } | {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
+             if isinstance(t, ast.Name)}  # fmt: skip
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+            ):
+                listed = {
+                    e.value for e in getattr(node.value, "elts", ()) if isinstance(e, ast.Constant)
+                }
+                offenders += [f"{path.relative_to(PKG)}: {n}" for n in sorted(listed - defined)]
+    assert offenders == []

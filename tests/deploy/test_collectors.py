@@ -29,6 +29,7 @@ from deploy_kit import (
 
 from conftest import import_harness, requires_vllm
 from vllm_journey_otel import schema as S
+from vllm_journey_otel.engine import handoff
 
 
 @pytest.mark.parametrize(
@@ -191,7 +192,7 @@ def test_gateway_policies_keep_the_journeys_they_promise() -> None:
         e.step()
         e.abort("D")
         e.run()
-        assert hooks.flush(10)
+        assert handoff.flush(10)
         assert e.requests["B"].num_preemptions > 0, "precondition: B was preempted"
         spans = exporter.get_finished_spans()
     finally:

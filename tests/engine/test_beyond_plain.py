@@ -16,6 +16,7 @@ from conftest import import_harness, requires_vllm
 from scheduling import SCHEDULERS, assert_no_state_left
 from trees import check_invariants, expected_shape
 from vllm_journey_otel import schema as S
+from vllm_journey_otel.engine import handoff, sampling, state, tracker
 
 pytestmark = requires_vllm
 
@@ -106,12 +107,13 @@ def test_priority_cause_in_the_clients_trace(tracing) -> None:
 
 def test_preemption_cause_not_traced(tracing, monkeypatch) -> None:
     """A cause that head sampling dropped: its id is recorded, no link to nowhere."""
-    from vllm_journey_otel.engine import hooks
     from vllm_journey_otel.engine.sampling import HeadSampler
 
     # Drop exactly the request named "high" at admission (and keep no tail).
-    monkeypatch.setattr(hooks.HeadSampler, "decide", lambda self, headers: (headers is None, None))
-    assert isinstance(hooks._STATE.head, HeadSampler)
+    monkeypatch.setattr(
+        sampling.HeadSampler, "decide", lambda self, headers: (headers is None, None)
+    )
+    assert isinstance(state._STATE.head, HeadSampler)
     e = harness.Engine(
         policy="priority", num_blocks=5, max_num_batched_tokens=64, max_model_len=512
     )
@@ -394,7 +396,7 @@ def test_step_view_links_each_batch(step_tracing, async_scheduling: bool) -> Non
     numbers = [s.attributes[S.SCHEDULER_STEP] for s in steps]
     assert len(set(numbers)) == len(numbers) and numbers[0] == 1
     assert_no_state_left(e)
-    from vllm_journey_otel.engine.hooks import TRACKER_ATTR
+    from vllm_journey_otel.engine.state import TRACKER_ATTR
 
     assert e.scheduler.__dict__[TRACKER_ATTR].steps_open == {}
 
@@ -415,7 +417,7 @@ def test_step_view_splits_prefill_and_decode(step_tracing, async_scheduling: boo
 
 
 def test_step_view_off_by_default(tracing) -> None:
-    from vllm_journey_otel.engine.hooks import TRACKER_ATTR
+    from vllm_journey_otel.engine.state import TRACKER_ATTR
 
     e = harness.Engine()
     e.add("r", prompt_len=40, max_tokens=6)
@@ -476,7 +478,7 @@ def test_wait_for_structured_output_grammar(tracing, async_scheduling: bool) -> 
     assert broken.attrs[S.FINISH_STATUS] == S.FINISH_ERROR
     assert [k.name for k in broken.children] == [S.SPAN_QUEUED]
     assert_no_state_left(e)
-    from vllm_journey_otel.engine.hooks import TRACKER_ATTR
+    from vllm_journey_otel.engine.state import TRACKER_ATTR
 
     assert e.scheduler.__dict__[TRACKER_ATTR].blocked == {}
 
@@ -546,7 +548,7 @@ def test_wait_for_remote_kv(tracing, async_scheduling: bool, connector: str) -> 
     assert lw.attrs[S.KV_TRANSFER_TOKENS] == external
     assert lw.end == lq.end == lost.end
     assert_no_state_left(e)
-    from vllm_journey_otel.engine.hooks import TRACKER_ATTR
+    from vllm_journey_otel.engine.state import TRACKER_ATTR
 
     assert e.scheduler.__dict__[TRACKER_ATTR].blocked == {}
 
@@ -814,7 +816,7 @@ def test_everything_on_leaves_outputs_unchanged() -> None:
     _install(exporter)
     try:
         traced = _everything(_everything_engine())
-        assert hooks.flush(10)
+        assert handoff.flush(10)
     finally:
         hooks.uninstall()
     assert traced == reference
@@ -855,7 +857,7 @@ def test_failing_new_hook_leaves_outputs_unchanged(method: str, monkeypatch, cap
         calls["n"] += 1
         raise RuntimeError("bookkeeping bug")
 
-    monkeypatch.setattr(hooks.SchedulerTracker, method, broken)
+    monkeypatch.setattr(tracker.SchedulerTracker, method, broken)
     _install(InMemorySpanExporter())
     try:
         with caplog.at_level(logging.WARNING, logger="vllm.journey_otel"):
@@ -874,16 +876,15 @@ def test_spec_decode_per_step_work_only_without_vllm_metrics(
 ) -> None:
     """With vLLM's per-request spec-decode metrics on, the plugin does nothing per
     step and reads vLLM's counts at transitions; both give the same attributes."""
-    from vllm_journey_otel.engine import hooks
 
     calls = {"n": 0}
-    orig = hooks.SchedulerTracker.spec_verified
+    orig = tracker.SchedulerTracker.spec_verified
 
     def spy(self, *args):  # type: ignore[no-untyped-def]
         calls["n"] += 1
         return orig(self, *args)
 
-    monkeypatch.setattr(hooks.SchedulerTracker, "spec_verified", spy)
+    monkeypatch.setattr(tracker.SchedulerTracker, "spec_verified", spy)
     e = _spec_engine(spec_metrics=vllm_metrics)
     e.add("s", prompt_len=20, max_tokens=30)
     e.run()

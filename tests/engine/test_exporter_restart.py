@@ -1,4 +1,4 @@
-"""A lost exporter process is replaced (sinks.PipeSink.maintain, exporter_launch.Restarts):
+"""A lost exporter process is replaced (pipe_sink.PipeSink.maintain, exporter_launch.Restarts):
 real exporter processes, SIGKILLed as an OOM killer would, a real OTLP receiver."""
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from conftest import import_harness, requires_vllm
 from services import wait_until
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.config import Config
-from vllm_journey_otel.engine import hooks, in_flight
+from vllm_journey_otel.engine import handoff, hooks, in_flight
 from vllm_journey_otel.engine.sampling import HeadSampler, TailRule
 from vllm_journey_otel.export.file_exporter import OtlpJsonFileExporter
 from vllm_journey_otel.tools.summary import SUMMARY_ATTRIBUTES, format_text, summarize
@@ -94,7 +94,7 @@ def test_a_request_waiting_for_its_grammar_is_seen_before_it_ends(
     # It ends: the final journey's root is every snapshot's parent.
     e.compile_grammar("stuck")
     e.run()
-    assert hooks.flush(10)
+    assert handoff.flush(10)
     (root,) = [s for s in watched.get_finished_spans()
                if s.name == S.SPAN_REQUEST and s.attributes[S.REQUEST_ID] == "stuck"]  # fmt: skip
     for snap in _snapshots(watched, "stuck"):
@@ -141,7 +141,7 @@ def test_a_long_decode_is_seen_running(watched: InMemorySpanExporter) -> None:
     assert open_ == {S.SPAN_SCHEDULED, S.SPAN_DECODE}
     e.abort("long")
     e.run()
-    assert hooks.flush(10)
+    assert handoff.flush(10)
     (root,) = [s for s in watched.get_finished_spans() if s.name == S.SPAN_REQUEST]
     assert snap.parent.span_id == root.context.span_id
     assert snap.context.trace_id == root.context.trace_id
@@ -171,7 +171,7 @@ def test_a_stuck_request_head_sampling_dropped(monkeypatch: pytest.MonkeyPatch, 
             time.sleep(THRESHOLD_S + 0.5)  # ten checks past the threshold: one would have come
         e.compile_grammar("stuck")
         e.run()
-        assert hooks.flush(10)
+        assert handoff.flush(10)
     finally:
         hooks.uninstall()
     spans = exporter.get_finished_spans()
@@ -202,8 +202,8 @@ def test_off_with_zero(monkeypatch: pytest.MonkeyPatch) -> None:
         for _ in range(20):
             e.step()
         time.sleep(0.5)  # ten checks' worth: a snapshot would have come by now
-        assert hooks.pipeline()._watchers == [], "nothing watches in-flight requests"
-        assert hooks.flush(10)
+        assert handoff.pipeline()._watchers == [], "nothing watches in-flight requests"
+        assert handoff.flush(10)
         assert not [s for s in exporter.get_finished_spans() if s.name == S.SPAN_IN_FLIGHT]
     finally:
         hooks.uninstall()
@@ -224,6 +224,6 @@ def test_a_session_between_inputs_counts_its_tokens_once(watched: InMemorySpanEx
     assert a[S.DECODE_DONE_TOKENS] == 4
     e.end_session("s")
     e.run()
-    assert hooks.flush(10)
+    assert handoff.flush(10)
     (root,) = [s for s in watched.get_finished_spans() if s.name == S.SPAN_REQUEST]
     assert root.attributes[S.GEN_AI_OUTPUT_TOKENS] == 4

@@ -203,7 +203,7 @@ def test_an_exporter_gone_in_the_middle_of_a_frame(pipes) -> None:  # type: igno
 
 
 def test_paced_reader_frames_split_anywhere_and_reads_spaced(pipes) -> None:  # type: ignore[no-untyped-def]
-    """The exporter's paced read (sinks.read_frames with pace_s): frames cut at any
+    """The exporter's paced read (wire.read_frames with pace_s): frames cut at any
     byte by the pipe come out whole and in order, without waiting while one is
     incomplete; once the reader has caught up, its next read waits out the pace
     (a writer meanwhile wakes nobody); a frame cut short by end-of-file is dropped."""

@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from conftest import import_harness, requires_vllm
 from vllm_journey_otel.config import Config
-from vllm_journey_otel.engine import hooks
+from vllm_journey_otel.engine import handoff, hooks, state
 from vllm_journey_otel.engine.compat import REQUIRED_METHODS, TARGETS, check, patchable
 
 pytestmark = requires_vllm
@@ -129,7 +129,7 @@ def test_register_entry_point_enables_from_env(monkeypatch) -> None:
         register()
         assert hooks.enabled()
         e = harness.Engine()
-        assert e.scheduler.__dict__.get(hooks.TRACKER_ATTR) is not None
+        assert e.scheduler.__dict__.get(state.TRACKER_ATTR) is not None
     finally:
         hooks.uninstall()
 
@@ -148,7 +148,7 @@ def test_unsupported_version_with_missing_method_stays_off(monkeypatch, caplog) 
         def _free_request(self, req, delay=False):  # type: ignore[no-untyped-def,override]
             return super()._free_request(req, delay)
 
-    _version, _, status, mod = hooks._vllm()
+    _version, _, status, mod = state._vllm()
     monkeypatch.setattr(hooks, "_vllm", lambda: ("0.99.0", Patched, status, mod))
     with caplog.at_level(logging.WARNING, logger="vllm.journey_otel"):
         assert not hooks.install(Config(enabled=True))
@@ -162,7 +162,7 @@ def test_unsupported_version_with_missing_method_stays_off(monkeypatch, caplog) 
 
 
 def test_unknown_version_with_every_hook_enables(monkeypatch, caplog) -> None:
-    _version, cls, status, mod = hooks._vllm()
+    _version, cls, status, mod = state._vllm()
     monkeypatch.setattr(hooks, "_vllm", lambda: ("0.40.1", cls, status, mod))
     try:
         with caplog.at_level(logging.INFO, logger="vllm.journey_otel"):
@@ -304,7 +304,7 @@ def test_tracing_on_leaves_scheduler_outputs_unchanged() -> None:
     assert hooks.install(Config(enabled=True), exporters=[exporter], batch=False)
     try:
         traced = _workload(_engine())
-        assert hooks.flush(10)
+        assert handoff.flush(10)
     finally:
         hooks.uninstall()
     assert traced == reference
@@ -339,6 +339,6 @@ def test_fields_that_differ_between_releases_are_chosen_by_version() -> None:
     assert field_name(SKIPPED_REQUESTS, "0.31.0", type("Neither", (), {})()) is None
     # The vLLM under test: a real Scheduler has the field its release is listed with.
     e = _engine()
-    version = hooks._vllm()[0]
+    version = state._vllm()[0]
     name = field_name(SKIPPED_REQUESTS, version, e.scheduler)
     assert name == ("skipped_waiting" if version.startswith("0.30.") else "deferred_waiting")

@@ -10,7 +10,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from conftest import import_harness, requires_vllm
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.config import MODE_THREAD, Config
-from vllm_journey_otel.engine import hooks
+from vllm_journey_otel.engine import handoff, hooks, state
 from vllm_journey_otel.engine.sampling import HeadSampler, TailRule
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
@@ -95,7 +95,7 @@ def test_ratio_zero_keeps_only_the_tail(monkeypatch) -> None:  # type: ignore[no
         e.step()
         e.abort("D")
         e.run()
-        assert hooks.flush(10)
+        assert handoff.flush(10)
         assert e.requests["B"].num_preemptions > 0 and e.requests["A"].num_preemptions == 0
         spans = exporter.get_finished_spans()
     finally:
@@ -130,9 +130,9 @@ def test_unsampled_without_tail_records_nothing() -> None:
     try:
         e = harness.Engine()
         req = e.add("x", prompt_len=10, max_tokens=3)
-        assert getattr(req, hooks.JOURNEY_ATTR, None) is None  # no state at all
+        assert getattr(req, state.JOURNEY_ATTR, None) is None  # no state at all
         e.run()
-        assert hooks.flush(10)
+        assert handoff.flush(10)
     finally:
         hooks.uninstall()
     assert exporter.get_finished_spans() == ()
@@ -202,7 +202,7 @@ def test_journeys_of_one_trace_get_one_decision_on_a_real_scheduler() -> None:
         for k in range(24):
             e.add(f"own{k}", prompt_len=6, max_tokens=2)
         e.run()
-        assert hooks.flush(10)
+        assert handoff.flush(10)
         spans = exporter.get_finished_spans()
     finally:
         hooks.uninstall()

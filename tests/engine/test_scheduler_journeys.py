@@ -15,6 +15,7 @@ import zlib
 from conftest import import_harness, requires_vllm
 from scheduling import SCHEDULERS, assert_no_state_left
 from trees import check_invariants, expected_shape
+from vllm_journey_otel import config
 from vllm_journey_otel import schema as S
 
 pytestmark = requires_vllm
@@ -455,7 +456,7 @@ def test_preemptions_without_the_private_hook(tracing, monkeypatch) -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     original = Scheduler._preempt_request
-    assert hooks.install(hooks.Config(enabled=True), exporters=[tracing.exporter], batch=False)
+    assert hooks.install(config.Config(enabled=True), exporters=[tracing.exporter], batch=False)
     assert Scheduler._preempt_request is original  # not wrapped
     e = _preemption_engine(async_scheduling=False)
     e.run()

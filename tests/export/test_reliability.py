@@ -23,6 +23,7 @@ from fault_proxy import BLACKHOLE, FORWARD, FaultProxy
 from otlp_receiver import Receiver
 from services import wait_until
 from vllm_journey_otel import schema as S
+from vllm_journey_otel.engine import handoff
 
 pytestmark = requires_vllm
 
@@ -86,17 +87,17 @@ def test_outage_is_counted_reported_once_and_recovered(
         # against a stage of 40; the rest waits in the pipe.
         steps = _run_requests(harness, "burst", 40)
         assert steps > 0
-        pipeline = hooks.pipeline()
+        pipeline = handoff.pipeline()
         assert pipeline is not None
         exporter_pid = pipeline.sink.pid  # type: ignore[attr-defined]
         assert exporter_pid and psutil.pid_exists(exporter_pid)
-        assert hooks.flush(5.0)
+        assert handoff.flush(5.0)
         assert pipeline.dropped == 0, "the engine side never drops: the pipe took it all"
         time.sleep(2.5)  # let the exporter fail a few batches
 
         proxy.set_mode(FORWARD)
         _run_requests(harness, "after", 5)
-        assert hooks.flush(5.0)
+        assert handoff.flush(5.0)
         wait_until(lambda: len(_roots(receiver, "after")) == 5, 30, what="journeys after recovery")
     finally:
         hooks.uninstall()
@@ -199,7 +200,7 @@ def test_tls_and_auth_headers_through_the_standard_variables(  # type: ignore[no
         )
         try:
             _run_requests(harness, "tls", 3)
-            assert hooks.flush(5.0)
+            assert handoff.flush(5.0)
             wait_until(lambda: len(_roots(receiver, "tls")) == 3, 30, what="journeys over TLS")
         finally:
             hooks.uninstall()

@@ -22,7 +22,7 @@ import pytest
 from conftest import import_harness, requires_vllm
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.config import MODE_THREAD, Config
-from vllm_journey_otel.engine import hooks
+from vllm_journey_otel.engine import handoff, hooks
 from vllm_journey_otel.export.file_exporter import OtlpJsonFileExporter
 from vllm_journey_otel.tools import diff as D
 from vllm_journey_otel.tools import explain as X
@@ -143,7 +143,7 @@ def engine_only(tmp_path_factory: pytest.TempPathFactory) -> Path:
             lora = LoRARequest(f"ad{i % 2}", 1 + i % 2, f"/nonexistent/ad{i % 2}")
             e.add(f"l{i}", prompt_len=20, max_tokens=4 + i, lora=lora)
         e.run()
-        assert hooks.flush(10)
+        assert handoff.flush(10)
     finally:
         hooks.uninstall()
     return path

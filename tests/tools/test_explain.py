@@ -19,7 +19,7 @@ from conftest import import_harness, requires_vllm
 from trees import journeys
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.config import MODE_THREAD, Config
-from vllm_journey_otel.engine import hooks
+from vllm_journey_otel.engine import handoff, hooks
 from vllm_journey_otel.export.file_exporter import OtlpJsonFileExporter
 from vllm_journey_otel.tools import explain as X
 from vllm_journey_otel.tools import journey_files as J
@@ -67,7 +67,7 @@ def traced(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
     )
     try:
         _workload()
-        assert hooks.flush(10)
+        assert handoff.flush(10)
     finally:
         hooks.uninstall()
     return journeys(memory.get_finished_spans()), path

@@ -28,6 +28,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from conftest import import_harness, requires_vllm
 from vllm_journey_otel import schema as S
+from vllm_journey_otel.engine import handoff
 from vllm_journey_otel.tools import perfetto as P
 from vllm_journey_otel.tools.tracefile import FileSpan, read_spans
 
@@ -93,7 +94,7 @@ def traced(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Path], Path]:
         e.step()
         e.abort("gone")
         e.run()
-        assert hooks.flush(10)
+        assert handoff.flush(10)
     finally:
         hooks.uninstall()
     other = d / "b.otlp.jsonl"

@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from conftest import REQUIRE_VLLM, import_harness, requires_vllm
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.config import MODE_THREAD, Config
-from vllm_journey_otel.engine import hooks
+from vllm_journey_otel.engine import handoff, hooks
 from vllm_journey_otel.export.file_exporter import OtlpJsonFileExporter
 from vllm_journey_otel.export.otlp_json import json_to_request, spans_to_json
 from vllm_journey_otel.tools.cli import CHROMIUM_FLAGS
@@ -50,7 +50,7 @@ def traced(tmp_path_factory):  # type: ignore[no-untyped-def]
         e.step()
         e.abort("gone")
         e.run()
-        assert hooks.flush(10)
+        assert handoff.flush(10)
     finally:
         hooks.uninstall()
     return memory.get_finished_spans(), path

@@ -39,9 +39,6 @@ from vllm_journey_otel.engine.frontend import (
     _wrap_output_init,
     _wrap_proc_shutdown,
 )
-
-# What tests and benchmarks reach through this module (the engine side's surface).
-from vllm_journey_otel.engine.handoff import _resource_attributes, flush, pipeline
 from vllm_journey_otel.engine.sampling import HeadSampler, TailRule
 from vllm_journey_otel.engine.scheduler_wrappers import (
     _wrap_add_request,
@@ -55,34 +52,11 @@ from vllm_journey_otel.engine.scheduler_wrappers import (
 )
 from vllm_journey_otel.engine.state import (
     _STATE,
-    JOURNEY_ATTR,
-    TRACKER_ATTR,
     VllmMoved,
     _vllm,
     target_classes,
 )
-from vllm_journey_otel.engine.tracker import (
-    SchedulerTracker,
-)
 from vllm_journey_otel.log import logger
-
-__all__ = [
-    "JOURNEY_ATTR",
-    "TRACKER_ATTR",
-    "_STATE",
-    "Config",
-    "HeadSampler",
-    "SchedulerTracker",
-    "_resource_attributes",
-    "_vllm",
-    "_wrap_schedule",
-    "enabled",
-    "flush",
-    "install",
-    "pipeline",
-    "uninstall",
-    "unwrap",
-]
 
 # The wrapper of each target of compat.TARGETS.
 WRAPPERS: dict[tuple[str, str], Callable[[Callable[..., Any]], Callable[..., Any]]] = {

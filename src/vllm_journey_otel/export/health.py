@@ -70,7 +70,7 @@ class ExportHealth:
         """An export failed and none has succeeded since."""
         return self._outage_since is not None
 
-    # -- export results (BatchSpanProcessor worker thread) -------------------
+    # -- export results (the export stage's thread, "journey-otel-export") ----
     def exported(self, n: int, endpoint: str) -> None:
         self.spans_exported += n
         if self._outage_since is not None:
