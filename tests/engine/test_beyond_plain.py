@@ -861,9 +861,14 @@ def test_failing_new_hook_leaves_outputs_unchanged(method: str, monkeypatch, cap
     _install(InMemorySpanExporter())
     try:
         with caplog.at_level(logging.WARNING, logger="vllm.journey_otel"):
-            traced = _everything(_everything_engine())
+            engine = _everything_engine()
+            traced = _everything(engine)
         assert calls["n"] == 1, "the hook ran once, then tracing switched itself off"
         assert not hooks.enabled()
+        # What the tracker held is dropped with it (state._fail, by the tracker's own method).
+        held = engine.scheduler.__dict__[state.TRACKER_ATTR]
+        assert held in state._STATE.trackers
+        assert not (held.awaiting or held.blocked or held.steps_open)
         assert len([r for r in caplog.records if "internal error" in r.getMessage()]) == 1
     finally:
         hooks.uninstall()

@@ -3,7 +3,9 @@
 Engine-core process, engine-core thread. Each calls the original exactly once,
 returns its value unchanged and lets its exceptions propagate; around it, the
 tracker's bookkeeping (``tracker.py``), whose errors switch tracing off for the
-process (``state._fail``) and never reach vLLM. ``schedule`` takes one
+process (``state._fail``) and never reach vLLM; a wrapper whose original ran a
+failing hook inside it (a preemption inside ``schedule``) skips its own after
+that. ``schedule`` takes one
 ``time.monotonic_ns()`` stamp (engine monotonic clock) before the original.
 """
 
@@ -65,6 +67,8 @@ def _around_request(
                 _fail(where)
                 return orig(self, request, *args, **kwargs)
             result = orig(self, request, *args, **kwargs)
+            if not _STATE.enabled:  # a hook inside the original failed: off since
+                return result
             try:
                 getattr(tr, after)(request, pre)
             except Exception:
@@ -88,6 +92,8 @@ def _wrap_schedule(orig: Callable[..., Any]) -> Callable[..., Any]:
             return orig(self, *args, **kwargs)
         t = _now()
         result = orig(self, *args, **kwargs)
+        if not _STATE.enabled:  # a hook inside schedule (a preemption) failed
+            return result
         try:
             tr.after_schedule(t, result)
         except Exception:
@@ -146,6 +152,8 @@ def _wrap_update(orig: Callable[..., Any]) -> Callable[..., Any]:
             result = orig(self, scheduler_output, *args, **kwargs)
         finally:
             tr.in_update = False
+        if not _STATE.enabled:  # a hook inside the update (_free_request) failed
+            return result
         try:
             tr.after_update(scheduler_output)
         except Exception:

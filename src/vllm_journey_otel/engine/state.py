@@ -136,6 +136,4 @@ def _fail(where: str) -> None:
         )
     _STATE.enabled = False
     for tracker in list(_STATE.trackers):
-        tracker.awaiting.clear()
-        tracker.steps_open.clear()
-        tracker.blocked.clear()
+        tracker.drop_state()

@@ -78,9 +78,8 @@ class SchedulerTracker:
         self.last_update_mono_ns = 0
         self.last_update_ids: Any = ()
         vc = scheduler.vllm_config
-        # vLLM copies trace_headers into every output (update_from_output, 0.30-0.33:
-        # encoded here, decoded in the API server, per token) for its own tracing
-        # alone (do_tracing): without it they are taken at admission, then cleared.
+        # vLLM copies trace_headers into every output (update_from_output, 0.30-0.33)
+        # for its own tracing alone: without it they are taken at admission, then cleared.
         obs = getattr(vc, "observability_config", None)
         self.keep_headers = getattr(obs, "otlp_traces_endpoint", None) is not None
         self.spec_decode = getattr(vc, "speculative_config", None) is not None
@@ -108,6 +107,11 @@ class SchedulerTracker:
         cfg = _STATE.config
         self.steps_ratio = cfg.steps_ratio if cfg.steps else 0.0
         self.steps_open: dict[int, tuple[Any, ...]] = {}
+
+    def drop_state(self) -> None:
+        """Tracing went off in this process (``state._fail``): nothing is tracked."""
+        for tracked in (self.awaiting, self.blocked, self.steps_open):
+            tracked.clear()
 
     # add_request ----------------------------------------------------------
     def before_add(self, request: Any) -> bool:
