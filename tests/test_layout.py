@@ -195,3 +195,37 @@ def test_no_module_re_exports_what_it_imports() -> None:
                 }
                 offenders += [f"{path.relative_to(PKG)}: {n}" for n in sorted(listed - defined)]
     assert offenders == []
+
+
+# Where environment variables are named: config.py (every one the plugin reads)
+# and switch.py (the on/off switch, read before anything else is imported).
+_VARIABLE_PREFIXES = ("OTEL_", "VLLM_JOURNEY_OTEL", "REQUESTS_CA", "CURL_CA", "GRPC_")
+
+
+def _strings(tree: ast.AST) -> list[ast.Constant]:
+    """The string constants of a module's code, docstrings left out."""
+    docs = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
+    ]
+
+
+def test_only_the_config_module_names_environment_variables() -> None:
+    """One config module: a variable's name is written once, where it is parsed."""
+    named = [
+        f"{path.relative_to(PKG)}:{node.lineno}: {node.value[:50]}"
+        for path in PKG.rglob("*.py")
+        if path.name not in ("config.py", "switch.py")
+        for node in _strings(ast.parse(path.read_text()))
+        if node.value.startswith(_VARIABLE_PREFIXES)
+    ]
+    assert named == []

@@ -1,17 +1,24 @@
-"""The plugin's own settings: ``VLLM_JOURNEY_OTEL*`` environment variables.
+"""Every environment variable the plugin reads, parsed here and nowhere else.
 
-Everything the OpenTelemetry SDK already reads (endpoint, headers, TLS, protocol,
-OTEL_BSP_*, OTEL_TRACES_SAMPLER, OTEL_SERVICE_NAME, OTEL_SDK_DISABLED, ...) is left
-to the SDK; this module parses only what is ours. A bad value never raises: it
-logs one warning naming the variable and the accepted values, and the safe default
-is used.
+Our own ``VLLM_JOURNEY_OTEL*`` settings, and the OpenTelemetry SDK's variables
+that our code must interpret itself because it does the SDK's part: the sampler
+(``OTEL_TRACES_SAMPLER``), batching (``OTEL_BSP_*``), the exporter's choice
+(``OTEL_TRACES_EXPORTER``, the OTLP protocol), the span limits, and where OTLP
+goes and how (``OTEL_EXPORTER_OTLP_*``, for ``doctor`` and the exporter
+process's certificate). The SDK's exporters still read their own settings
+(endpoint, headers, TLS, timeout) when they are built. Any process, any thread;
+pure functions of the mapping given. A bad value never raises: it logs one
+warning naming the variable and the accepted values, and the safe default is
+used.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from contextlib import suppress
 from dataclasses import dataclass
+from urllib.parse import urlparse
 
 from vllm_journey_otel.log import logger
 from vllm_journey_otel.switch import ENABLE, FALSE_WORDS, TRUE_WORDS
@@ -415,7 +422,85 @@ def tail_rule(env: Mapping[str, str]) -> tuple[set[str], int | None]:
     return reasons, slow_ns
 
 
-_ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+# -- where OTLP goes, as the SDK's exporters resolve it (opentelemetry-exporter-otlp 1.45:
+# the signal's variable first, then the generic one) -----------------------------------
+OTLP = "OTEL_EXPORTER_OTLP_"
+OTLP_TRACES_ENDPOINT, OTLP_ENDPOINT = f"{OTLP}TRACES_ENDPOINT", f"{OTLP}ENDPOINT"
+OTLP_TRACES_TIMEOUT = f"{OTLP}TRACES_TIMEOUT"
+_ENDPOINT_VARIABLES = (OTLP_TRACES_ENDPOINT, OTLP_ENDPOINT)
+CERTIFICATE_VARIABLES = (f"{OTLP}TRACES_CERTIFICATE", f"{OTLP}CERTIFICATE")
+# ``requests``' CA bundles, which override the certificate the HTTP exporter's
+# session was given (export/exporter_process.py drops them where one is named).
+CA_BUNDLE_VARIABLES = ("REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
+# The SDK's span limits: ours apply unless the user set these (export/exporters.py).
+LENGTH_LIMIT_VARIABLES = (
+    "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT",
+    "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT",
+)
+LINK_COUNT_LIMIT = "OTEL_SPAN_LINK_COUNT_LIMIT"
+# gRPC's C core logs by this variable (doctor quiets it: its own report says more).
+GRPC_VERBOSITY = "GRPC_VERBOSITY"
+
+
+def first_set(env: Mapping[str, str], *names: str) -> tuple[str, str]:
+    """(variable, value) of the first of ``names`` set non-empty, else ("", "")."""
+    for name in names:
+        if env.get(name, "").strip():
+            return name, env[name].strip()
+    return "", ""
+
+
+def user_span_limits(env: Mapping[str, str] | None = None) -> tuple[bool, bool]:
+    """Whether the user set an attribute length limit, and a link count limit."""
+    env = os.environ if env is None else env
+    return bool(first_set(env, *LENGTH_LIMIT_VARIABLES)[0]), bool(
+        first_set(env, LINK_COUNT_LIMIT)[0]
+    )
+
+
+@dataclass(frozen=True)
+class OtlpTarget:
+    """Where an OTLP exporter sends, resolved from the OTEL_* variables as the SDK does."""
+
+    protocol: str
+    url: str  # as given (gRPC: the SDK keeps only host:port)
+    source: str  # the variable it came from
+    tls: bool
+    ca: str  # CA file; "" for the system's
+    host: str
+    port: int
+    timeout: str  # as configured, seconds
+    hostport: str = ""
+    headers: bool = False  # OTEL_EXPORTER_OTLP_(TRACES_)HEADERS set
+
+
+def otlp_target(exporter: str, env: Mapping[str, str]) -> OtlpTarget:
+    """For ``otlp_proto_grpc`` or ``otlp_proto_http``."""
+    var, raw = first_set(env, OTLP_TRACES_ENDPOINT, OTLP_ENDPOINT)
+    if exporter == "otlp_proto_grpc":
+        url = raw or "http://localhost:4317"
+        parsed = urlparse(url)
+        insecure_var, insecure = first_set(env, f"{OTLP}TRACES_INSECURE", f"{OTLP}INSECURE")
+        plain = insecure.lower() == "true" if insecure_var else parsed.scheme == "http"
+        tls, where = parsed.scheme == "https" or not plain, urlparse(f"//{parsed.netloc or url}")
+    else:
+        base = f"{(raw or 'http://localhost:4318').rstrip('/')}/v1/traces"
+        url = raw if var == OTLP_TRACES_ENDPOINT else base
+        var = f"{OTLP_ENDPOINT} + /v1/traces" if var == OTLP_ENDPOINT else var
+        where = urlparse(url)
+        tls = where.scheme == "https"
+    port = 0
+    with suppress(ValueError):  # not a number: the exporter's own error says so
+        port = where.port or (443 if tls else 80)
+    ca = first_set(env, *CERTIFICATE_VARIABLES)[1] if tls else ""
+    timeout = first_set(env, OTLP_TRACES_TIMEOUT, f"{OTLP}TIMEOUT")[1] or "10"
+    protocol = "grpc" if exporter == "otlp_proto_grpc" else "http/protobuf"
+    host = where.hostname or ""
+    headers = bool(first_set(env, f"{OTLP}TRACES_HEADERS", f"{OTLP}HEADERS")[0])
+    source = var or "default"
+    return OtlpTarget(
+        protocol, url, source, tls, ca, host, port, timeout, f"{host}:{port}", headers
+    )
 
 
 def endpoint_name(exporter_names: list[str], env: Mapping[str, str] | None = None) -> str:

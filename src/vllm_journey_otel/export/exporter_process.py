@@ -32,7 +32,12 @@ import signal
 import sys
 from typing import Any
 
-from vllm_journey_otel.config import from_env
+from vllm_journey_otel.config import (
+    CA_BUNDLE_VARIABLES,
+    CERTIFICATE_VARIABLES,
+    first_set,
+    from_env,
+)
 from vllm_journey_otel.export.cpu_placement import ExporterPlacement
 from vllm_journey_otel.export.health import ExportHealth, SdkLogQuieter
 from vllm_journey_otel.export.span_sink import SpanSink
@@ -77,10 +82,6 @@ def _stopping() -> bool:
     return _Term.requested
 
 
-_CERTIFICATE_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", "OTEL_EXPORTER_OTLP_CERTIFICATE")
-_REQUESTS_BUNDLES = ("REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
-
-
 def _certificate_wins() -> None:
     """Make OTEL_EXPORTER_OTLP_(TRACES_)CERTIFICATE hold for OTLP/HTTP too.
 
@@ -90,8 +91,8 @@ def _certificate_wins() -> None:
     be ignored and every export fail verification. This process is ours alone,
     so the bundles are dropped from its environment when a certificate is named.
     """
-    if any(os.environ.get(name) for name in _CERTIFICATE_VARIABLES):
-        for name in _REQUESTS_BUNDLES:
+    if first_set(os.environ, *CERTIFICATE_VARIABLES)[0]:
+        for name in CA_BUNDLE_VARIABLES:
             if os.environ.pop(name, None):
                 logger.debug("journey-otel exporter: %s ignored: a certificate is set", name)
 

@@ -17,7 +17,6 @@ Nothing is installed as a global provider: vLLM may have its own tracing
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from importlib.metadata import entry_points
 
@@ -27,11 +26,10 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.util.types import AttributeValue
 
 from vllm_journey_otel import schema as S
-from vllm_journey_otel.config import TRACES_EXPORTER, exporter_names
+from vllm_journey_otel.config import TRACES_EXPORTER, exporter_names, user_span_limits
 from vllm_journey_otel.export.otlp_exporters import FAST_EXPORTERS
 
 ENTRY_POINT_GROUP = "opentelemetry_traces_exporter"
-LINK_COUNT_LIMIT = "OTEL_SPAN_LINK_COUNT_LIMIT"
 # A vllm.step span links every traced journey of its batch: the SDK's default
 # limit (128 links) is below vLLM's usual max_num_seqs, so ours is this, unless
 # the user set OTEL_SPAN_LINK_COUNT_LIMIT. Journey spans carry at most one link.
@@ -96,7 +94,6 @@ def make_resource(attributes: Mapping[str, AttributeValue]) -> Resource:
 # Our string attributes are short except the request id, which a client may set
 # (X-Request-Id): without a limit, a megabyte id would travel in every span.
 DEFAULT_ATTRIBUTE_VALUE_LENGTH = 1024
-_LENGTH_VARIABLES = ("OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT")
 
 
 def span_limits(env: Mapping[str, str] | None = None) -> SpanLimits:
@@ -105,9 +102,7 @@ def span_limits(env: Mapping[str, str] | None = None) -> SpanLimits:
     vllm.step span links its whole batch). ``span_builder.SpanBuilder`` applies
     the attribute length and link count.
     """
-    env = os.environ if env is None else env
-    user_length = any(env.get(name, "").strip() for name in _LENGTH_VARIABLES)
-    user_links = bool(env.get(LINK_COUNT_LIMIT, "").strip())
+    user_length, user_links = user_span_limits(env)
     # None: the SDK reads the user's OTEL_* limit (or its own default).
     return SpanLimits(
         max_attribute_length=None if user_length else DEFAULT_ATTRIBUTE_VALUE_LENGTH,

@@ -30,7 +30,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from urllib.parse import urlparse
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
@@ -54,13 +53,13 @@ DEFAULT_TIMEOUT_S = 3.0
 TEST_SPAN = "vllm-journey doctor"
 # Captured ahead of the SDK's own DuplicateFilter (one record of a kind per 20 s).
 CAPTURED = (*SDK_LOGGERS, "opentelemetry.exporter.otlp.proto.http._common", logger.name)
-_V = "OTEL_EXPORTER_OTLP_"
-TRACES_ENDPOINT, ENDPOINT = f"{_V}TRACES_ENDPOINT", f"{_V}ENDPOINT"
-TRACES_TIMEOUT = f"{_V}TRACES_TIMEOUT"
+_V = config.OTLP
+TRACES_ENDPOINT, ENDPOINT = config.OTLP_TRACES_ENDPOINT, config.OTLP_ENDPOINT
+TRACES_TIMEOUT = config.OTLP_TRACES_TIMEOUT
 FIX_FILE = f"point {config.FILE_PATH} at a file in a directory vllm serve's user can write"
 FIX_ON = f"export {ENABLE}=1 where vllm serve runs (compose, Kubernetes: the container's env)"
 if "grpc" not in sys.modules:  # before its import: else its C core prints TLS failures itself
-    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    os.environ.setdefault(config.GRPC_VERBOSITY, "ERROR")
 
 
 @dataclass
@@ -72,14 +71,6 @@ class Check:
     summary: str
     fix: str = ""
     more: list[str] = field(default_factory=list)
-
-
-def _first(env: Mapping[str, str], *names: str) -> tuple[str, str]:
-    """(variable, value) of the first of ``names`` set non-empty, else ("", "")."""
-    for name in names:
-        if env.get(name, "").strip():
-            return name, env[name].strip()
-    return "", ""
 
 
 @contextmanager
@@ -167,50 +158,11 @@ def sampling_check(env: Mapping[str, str]) -> Check:
 
 
 # -- where the exporters send ---------------------------------------------------------
-@dataclass(frozen=True)
-class Target:
-    """Where an OTLP exporter sends, resolved from the OTEL_* variables as the SDK does."""
-
-    protocol: str
-    url: str  # as given (gRPC: the SDK keeps only host:port)
-    source: str  # the variable it came from
-    tls: bool
-    ca: str  # CA file; "" for the system's
-    host: str
-    port: int
-    timeout: str  # as configured, seconds
-    hostport: str = ""
-
-
-def otlp_target(exporter: str, env: Mapping[str, str]) -> Target:
-    var, raw = _first(env, TRACES_ENDPOINT, ENDPOINT)
-    if exporter == "otlp_proto_grpc":
-        url = raw or "http://localhost:4317"
-        parsed = urlparse(url)
-        insecure_var, insecure = _first(env, f"{_V}TRACES_INSECURE", f"{_V}INSECURE")
-        plain = insecure.lower() == "true" if insecure_var else parsed.scheme == "http"
-        tls, where = parsed.scheme == "https" or not plain, urlparse(f"//{parsed.netloc or url}")
-    else:
-        base = f"{(raw or 'http://localhost:4318').rstrip('/')}/v1/traces"
-        url = raw if var == TRACES_ENDPOINT else base
-        var = f"{ENDPOINT} + /v1/traces" if var == ENDPOINT else var
-        where = urlparse(url)
-        tls = where.scheme == "https"
-    port = 0
-    with suppress(ValueError):  # not a number: the exporter's own error says so
-        port = where.port or (443 if tls else 80)
-    ca = _first(env, f"{_V}TRACES_CERTIFICATE", f"{_V}CERTIFICATE")[1] if tls else ""
-    timeout = _first(env, TRACES_TIMEOUT, f"{_V}TIMEOUT")[1] or "10"
-    protocol = "grpc" if exporter == "otlp_proto_grpc" else "http/protobuf"
-    host = where.hostname or ""
-    return Target(protocol, url, var or "default", tls, ca, host, port, timeout, f"{host}:{port}")
-
-
 def describe(exporter: str, env: Mapping[str, str]) -> str:
     if exporter.startswith("otlp_proto"):
-        t = otlp_target(exporter, env)
+        t = config.otlp_target(exporter, env)
         security = f"TLS, CA {t.ca}" if t.ca else "TLS, system CAs" if t.tls else "plaintext"
-        headers = ", headers set" * bool(_first(env, f"{_V}TRACES_HEADERS", f"{_V}HEADERS")[0])
+        headers = ", headers set" * t.headers
         where = f"otlp over {t.protocol} to {t.url} ({t.source})"
         return f"{where}, {security}{headers}, export timeout {t.timeout} s"
     if exporter == "otlp_json_file":
@@ -298,7 +250,7 @@ CAUSES: tuple[tuple[str, str, str], ...] = (
 )  # fmt: skip
 
 
-def _fields(text: str, t: Target, timeout: float) -> dict[str, object]:
+def _fields(text: str, t: config.OtlpTarget, timeout: float) -> dict[str, object]:
     why = re.search(r"certificate verify failed: ([^()')]*)|VERIFY_FAILED: ([^:]*)", text)
     reason = re.search(r"Transient error ([A-Z][a-z]+(?: [A-Z][a-z]+)+) encountered", text)
     status = re.search(r"batch code: (\d{3}), reason: ([^,]*)", text)
@@ -319,7 +271,7 @@ def _fields(text: str, t: Target, timeout: float) -> dict[str, object]:
     }  # fmt: skip
 
 
-def classify(text: str, t: Target, timeout: float) -> tuple[str, str] | None:
+def classify(text: str, t: config.OtlpTarget, timeout: float) -> tuple[str, str] | None:
     """(cause, fix) named by an exporter's messages; None when they name none."""
     for pattern, cause, fix in CAUSES:
         if re.search(pattern, text, re.IGNORECASE):
@@ -328,7 +280,7 @@ def classify(text: str, t: Target, timeout: float) -> tuple[str, str] | None:
     return None
 
 
-def endpoint_check(exporter: SpanExporter, t: Target, timeout: float) -> Check:
+def endpoint_check(exporter: SpanExporter, t: config.OtlpTarget, timeout: float) -> Check:
     ok, messages, elapsed, trace_id = send_test_span(exporter, timeout)
     if ok:
         service = make_resource({}).attributes.get(S.RES_SERVICE_NAME)
@@ -408,7 +360,7 @@ def exporter_checks(env: Mapping[str, str], timeout: float) -> list[Check]:
     with _as_the_exporter_process(env, timeout):
         for name, exporter in zip(names, build_exporters(env), strict=True):
             if name.startswith("otlp_proto"):
-                checks.append(endpoint_check(exporter, otlp_target(name, env), timeout))
+                checks.append(endpoint_check(exporter, config.otlp_target(name, env), timeout))
             elif isinstance(exporter, OtlpJsonFileExporter):
                 checks.append(file_check(exporter, env))
     return checks
