@@ -349,7 +349,7 @@ def _lifespan(scope: Scope, receive: Receive) -> Receive:
         if kind == "lifespan.startup" and _STATE.enabled and _STATE.config.api_spans:
             if getattr(state, "vllm_config", None) is not None:
                 try:
-                    _pipeline_for(state)
+                    _pipeline_for(state, engine=False)
                 except Exception:
                     _fail("API-server start-up")
         elif kind == "lifespan.shutdown":

@@ -74,7 +74,7 @@ def _wrap_async_add_request(orig: Callable[..., Any]) -> Callable[..., Any]:
             try:
                 api.on_handoff()
                 if pipeline() is None:  # the app's start-up found no vLLM config: once
-                    _pipeline_for(self)
+                    _pipeline_for(self, engine=False)
             except Exception:
                 _fail("AsyncLLM.add_request")
         return out

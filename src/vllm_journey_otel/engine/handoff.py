@@ -26,17 +26,33 @@ from vllm_journey_otel.export.span_sink import SpanSink
 from vllm_journey_otel.log import logger
 
 
-def _resource_attributes(owner: Any) -> dict[str, Any]:
-    """The resource of ``owner.vllm_config`` (a Scheduler, an AsyncLLM, an app's state)."""
+def dp_rank(parallel_config: Any) -> int:
+    """The data-parallel rank of this engine core. vLLM 0.30-0.33 run each rank
+    of a dense model as an independent engine: ``EngineCoreProc.run_engine_core``
+    sets ``data_parallel_index`` to the rank, then
+    ``ParallelConfig.reconfigure_for_independent_dp_rank`` resets
+    ``data_parallel_rank`` to 0 (a MoE model's ranks keep both)."""
+    for name in ("data_parallel_index", "data_parallel_rank"):
+        value = getattr(parallel_config, name, None)
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def _resource_attributes(owner: Any, engine: bool = True) -> dict[str, Any]:
+    """The resource of ``owner.vllm_config``: a Scheduler's (``engine``), or an
+    API server's (an AsyncLLM, an app's state), which serves every
+    data-parallel rank and so names none."""
     vc = owner.vllm_config
     model = getattr(vc.model_config, "served_model_name", None) or getattr(
         vc.model_config, "model", ""
     )
     if isinstance(model, list | tuple):
         model = model[0] if model else ""
+    rank = {S.RES_DP_RANK: dp_rank(vc.parallel_config)} if engine else {}
     return {
         S.RES_MODEL: str(model),
-        S.RES_DP_RANK: int(getattr(vc.parallel_config, "data_parallel_rank", 0) or 0),
+        **rank,
         S.RES_VLLM_VERSION: _STATE.vllm_version,
         S.RES_PLUGIN_VERSION: __version__,
         S.RES_HOST: socket.gethostname(),
@@ -67,15 +83,15 @@ def _make_sink(attributes: dict[str, Any]) -> Sink:
     )
 
 
-def _pipeline_for(owner: Any) -> JourneyPipeline:
+def _pipeline_for(owner: Any, engine: bool = True) -> JourneyPipeline:
     """This process's pipeline, created on the first call with the resource of
-    ``owner.vllm_config``."""
+    ``owner.vllm_config`` (``engine``: a Scheduler; else the API server's)."""
     with _STATE.lock:
         pid = os.getpid()
         if _STATE.pipeline is None or _STATE.pipeline_pid != pid:
             cfg = _STATE.config
             _STATE.pipeline = JourneyPipeline(
-                _make_sink(_resource_attributes(owner)),
+                _make_sink(_resource_attributes(owner, engine)),
                 max_queue=cfg.queue_size,
                 interval_s=cfg.export_interval_ms / 1000.0,
                 cpu_priority=cfg.cpu_priority,
