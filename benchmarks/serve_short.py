@@ -137,11 +137,13 @@ def one_round(mode: str, env: dict[str, str], args: argparse.Namespace, tmp: Pat
         before = {role: cpu_s(pid) for role, pid in pids.items()}
         before_exp = sum(cpu_s(p) for p in exporters)
         tbefore = {role: threads(pid) for role, pid in pids.items()}
+        stat_before = cpu_times()
         if args.client == "wrk":
             done, wall = load_wrk(server, args)
         else:
             done, wall = args.requests, load(server, args)
         cpu = {role: cpu_s(pid) - before[role] for role, pid in pids.items()}
+        idle = idle_shares(stat_before, cpu_times())
         if exporters:
             cpu["exporters"] = sum(cpu_s(p) for p in exporters) - before_exp
         row = {
@@ -150,6 +152,7 @@ def one_round(mode: str, env: dict[str, str], args: argparse.Namespace, tmp: Pat
             "requests_per_s": round(done / wall, 1),
             "cpu_us_per_request": {k: round(v / done * 1e6) for k, v in cpu.items()},
             "exporter_processes": len(exporters),
+            "cpu_idle_and_steal_share": idle,
         }
         if args.threads:
             tafter = {role: threads(pid) for role, pid in pids.items()}
@@ -195,6 +198,27 @@ def exported(receiver: Receiver, first: int) -> dict[str, int]:
         "api_journeys": counts[S.SPAN_API],
         "dropped_journeys": dropped,
     }
+
+
+def cpu_times() -> dict[str, list[int]]:
+    """Each CPU's counters from /proc/stat (user nice system idle iowait irq softirq steal)."""
+    out = {}
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *fields = line.split()
+        if name.startswith("cpu") and name != "cpu":
+            out[name] = [int(f) for f in fields[:8]]
+    return out
+
+
+def idle_shares(a: dict[str, list[int]], b: dict[str, list[int]]) -> dict[str, str]:
+    """Per CPU, the share of the load's time it was idle and the share stolen
+    by the hypervisor: a CPU with idle time is not what limits the server."""
+    shares = {}
+    for cpu, before in a.items():
+        delta = [y - x for x, y in zip(before, b[cpu], strict=True)]
+        total = sum(delta) or 1
+        shares[cpu] = f"idle {delta[3] / total:.1%}, steal {delta[7] / total:.1%}"
+    return shares
 
 
 def _nice(pid: int, tid: object) -> int | None:

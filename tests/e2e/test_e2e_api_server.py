@@ -257,3 +257,46 @@ def test_each_of_two_api_servers_traces_its_requests(model_dir, module_receiver,
             assert all(_descends_from(int(pid), s.pid) for pid in pids), (pids, s.pid)
     finally:
         s.stop()
+
+
+def _successes_per_engine(metrics: str) -> dict[str, float]:
+    """vLLM's own count of finished requests per engine core (the ``engine`` label)."""
+    counts: dict[str, float] = {}
+    for line in metrics.splitlines():
+        if line.startswith("vllm:request_success_total{"):
+            labels, value = line.rsplit(" ", 1)
+            engine = labels.split('engine="', 1)[1].split('"', 1)[0]
+            counts[engine] = counts.get(engine, 0.0) + float(value)
+    return counts
+
+
+def test_data_parallel_ranks_each_trace_the_requests_they_served(
+    model_dir, module_receiver, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """--data-parallel-size 2 (each rank's worker on a CPU of its own): every
+    request is one trace with one API journey and one engine journey, each
+    engine journey names the rank that served it, and the journeys per rank
+    are vLLM's own successes per engine."""
+    s = start_server(
+        model_dir, tmp_path, module_receiver, "3proc", args=["--data-parallel-size", "2"],
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    )  # fmt: skip
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            sent = list(pool.map(lambda _: _completion(s, stream=False), range(24)))
+        ranks: dict[str, int] = {}
+        for trace_id, span_id in sent:
+            tree = api_tree(module_receiver, trace_id)
+            check_api_tree(tree, span_id, stream=False)
+            assert S.RES_DP_RANK not in tree.span.resource  # type: ignore[attr-defined]
+            (engine,) = tree.kids(S.SPAN_REQUEST)
+            rank = str(engine.span.resource[S.RES_DP_RANK])  # type: ignore[attr-defined]
+            ranks[rank] = ranks.get(rank, 0) + 1
+        by_vllm = wait_until(
+            lambda: (c := _successes_per_engine(s.metrics())) and sum(c.values()) >= 24 and c,
+            30, 0.5, "vLLM's per-engine success counts",
+        )  # fmt: skip
+        assert {k: float(v) for k, v in ranks.items()} == by_vllm, (ranks, by_vllm)
+        assert set(ranks) == {"0", "1"}, ranks
+    finally:
+        s.stop()

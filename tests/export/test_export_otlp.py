@@ -141,6 +141,12 @@ def test_exporters_come_from_the_sdks_entry_point_group(caplog, monkeypatch, tmp
     assert [type(e) for e in got] == [OtlpJsonFileExporter]
     with pytest.raises(ValueError, match="'zipkin_json'"):
         build_exporters({"OTEL_TRACES_EXPORTER": "zipkin_json"})
+    # Spans are encoded straight from their plans only where every exporter takes them.
+    for names, encoded in (("otlp", True), ("otlp_proto_http", True), ("otlp,console", False)):
+        monkeypatch.setenv("OTEL_TRACES_EXPORTER", names)
+        sink = SpanSink.from_env({}, threaded=False)
+        assert (sink.encoder is not None) is encoded, names
+        sink.shutdown(1.0)
     caplog.set_level(logging.WARNING, logger="vllm.journey_otel")
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkin_json")
     sink = SpanSink.from_env({})

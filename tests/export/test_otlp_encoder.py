@@ -12,6 +12,7 @@ counts, remote links, two resources and a span without a scope.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import pytest
@@ -34,7 +35,7 @@ from vllm_journey_otel.export.exporters import make_resource, span_limits
 from vllm_journey_otel.export.in_flight_spans import plan_in_flight
 from vllm_journey_otel.export.otlp_encoder import OtlpEncoder
 from vllm_journey_otel.export.span_builder import SpanBuilder
-from vllm_journey_otel.export.spans import plan_spans, plan_step, root_context
+from vllm_journey_otel.export.spans import PlannedSpan, plan_spans, plan_step, root_context
 from vllm_journey_otel.journey import InFlight, StepRecord
 
 MS = 1_000_000
@@ -49,28 +50,38 @@ def same_as_sdk(spans: Sequence[ReadableSpan], encoder: OtlpEncoder | None = Non
     )
 
 
-def our_spans() -> list[ReadableSpan]:
-    builder = SpanBuilder(make_resource({"vllm.engine.role": "test"}), span_limits())
-    spans: list[ReadableSpan] = []
+def _plans() -> list[tuple[list[PlannedSpan], SpanContext | None, Sequence[trace.Link]]]:
+    """A plan of every kind we emit, with its parent and root links."""
+    out: list[tuple[list[PlannedSpan], SpanContext | None, Sequence[trace.Link]]] = []
     finished = _journeys()
     for journey in finished:
-        plan = plan_spans(journey, 1_700_000_000 * 10**9, 3)
-        spans += builder.build(plan, *root_context(journey))
+        out.append((plan_spans(journey, 1_700_000_000 * 10**9, 3), *root_context(journey)))
     targets = [RequestJourney(f"r{k}", 0.0, 10 * MS, 0, 10, 8).link_target() for k in range(3)]
     step = StepRecord(7, 19 * MS, 20 * MS, 24 * MS, 3, 30, 0, 0, 0.5, 3, 0, targets)
-    spans.append(builder.build_step(plan_step(step, 1_700_000_000 * 10**9)))
+    out.append(([plan_step(step, 1_700_000_000 * 10**9)], None, ()))
     snapshot = InFlight(journey=finished[0], seq=2, state=1, wait_reason=0)
     span, parent = plan_in_flight(snapshot, 1_700_000_000 * 10**9)
-    spans += builder.build([span], parent)
+    out.append(([span], parent, ()))
     for rec in (
         record(),
         record(status_code=400, request_ids=[], handoff_mono_ns=None),  # turned away
         record(exception="CancelledError", disconnected=True, parent_headers=None),
         record(head_sampled=False),  # kept by the tail rule: a root linked to the client
     ):
-        plan, parent, links = plan_api(rec, 1_700_000_000 * 10**9)
-        spans += builder.build(plan, parent, links)
-    return spans
+        out.append(plan_api(rec, 1_700_000_000 * 10**9))
+    return out
+
+
+def _builder() -> SpanBuilder:
+    ids = itertools.count(1 << 40)
+    return SpanBuilder(
+        make_resource({"vllm.engine.role": "test"}), span_limits(), ids.__next__, ids.__next__
+    )
+
+
+def our_spans() -> list[ReadableSpan]:
+    builder = _builder()
+    return [s for plan, parent, links in _plans() for s in builder.build(plan, parent, links)]
 
 
 def test_every_span_we_emit_encodes_as_the_sdk_encodes_it() -> None:
@@ -82,6 +93,25 @@ def test_every_span_we_emit_encodes_as_the_sdk_encodes_it() -> None:
     encoder = OtlpEncoder()  # the second batch through the same encoder: from its cache
     same_as_sdk(spans, encoder)
     same_as_sdk(list(reversed(spans)), encoder)
+
+
+@pytest.mark.parametrize("link_limit", [None, "1"])
+def test_spans_encoded_from_their_plans_are_the_spans_the_builder_builds(
+    link_limit: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The exporter's path without the SDK's span objects (SpanBuilder.encode,
+    OtlpEncoder.wrap) sends what building ReadableSpans and encoding them sends."""
+    if link_limit is not None:  # the step span's links cut, counted as dropped
+        monkeypatch.setenv("OTEL_SPAN_LINK_COUNT_LIMIT", link_limit)
+    built, encoded, encoder = _builder(), _builder(), OtlpEncoder()
+    spans, fields = [], []
+    for plan, parent, links in _plans():
+        spans += built.build(plan, parent, links)
+        fields += encoded.encode(encoder, plan, parent, links)
+    assert len(fields) == len(spans) > 20
+    wrapped = encoder.wrap(encoded.resource, encoded.scope, fields)
+    assert ExportTraceServiceRequest.FromString(wrapped) == encode_spans(spans)
+    assert any(s.dropped_links for s in spans) is (link_limit is not None)
 
 
 def _span(name: str, attributes: dict[str, object], **kw: object) -> ReadableSpan:

@@ -30,7 +30,7 @@ from typing import Any
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext, SpanKind
+from opentelemetry.trace import SpanContext, SpanKind, Status
 from opentelemetry.trace.span import TraceState
 
 _FIXED64 = struct.Struct("<Q").pack
@@ -167,53 +167,79 @@ class OtlpEncoder:
         for span in spans:
             scopes = groups.setdefault(span.resource, {})
             scopes.setdefault(span.instrumentation_scope or None, []).append(self._span(span))
-        out = []
-        for resource, scopes in groups.items():
-            body = [self._resource(resource)]
-            for scope, encoded in scopes.items():
-                scope_body = [self._scope(scope), *encoded]
-                if scope is not None and scope.schema_url:
-                    scope_body.append(_string(0x1A, scope.schema_url))
-                body.append(_field(0x12, b"".join(scope_body)))  # ResourceSpans.scope_spans
-            body.append(_string(0x1A, resource.schema_url))
-            out.append(_field(0x0A, b"".join(body)))  # ExportTraceServiceRequest.resource_spans
-        return b"".join(out)
+        return b"".join(
+            self._resource_spans(resource, scopes) for resource, scopes in groups.items()
+        )
+
+    def wrap(
+        self, resource: Resource, scope: InstrumentationScope, spans: Sequence[bytes]
+    ) -> bytes:
+        """The request of spans already encoded (:meth:`span`), all of one resource and scope."""
+        return self._resource_spans(resource, {scope: spans})
+
+    def _resource_spans(
+        self, resource: Resource, scopes: Mapping[InstrumentationScope | None, Sequence[bytes]]
+    ) -> bytes:
+        body = [self._resource(resource)]
+        for scope, encoded in scopes.items():
+            scope_body = [self._scope(scope), *encoded]
+            if scope is not None and scope.schema_url:
+                scope_body.append(_string(0x1A, scope.schema_url))
+            body.append(_field(0x12, b"".join(scope_body)))  # ResourceSpans.scope_spans
+        body.append(_string(0x1A, resource.schema_url))
+        return _field(0x0A, b"".join(body))  # ExportTraceServiceRequest.resource_spans
 
     def _span(self, span: ReadableSpan) -> bytes:
-        """ScopeSpans.spans (field 2): one Span."""
         ctx = span.get_span_context()
         assert ctx is not None  # a ReadableSpan always has one
+        return self.span(
+            ctx, span.parent, span.name, span.kind, span.start_time or 0, span.end_time or 0,
+            span.attributes, span.events, span.links, span.status,
+            (span.dropped_attributes, span.dropped_events, span.dropped_links),
+        )  # fmt: skip
+
+    def span(
+        self,
+        ctx: SpanContext,
+        parent: SpanContext | None,
+        name: str,
+        kind: SpanKind,
+        start_time: int,
+        end_time: int,
+        attributes: Mapping[str, Any] | None,
+        events: Sequence[Any],
+        links: Sequence[Any],
+        status: Status,
+        dropped: tuple[int, int, int] = (0, 0, 0),
+    ) -> bytes:
+        """ScopeSpans.spans (field 2): one Span; ``dropped``: its attributes,
+        events and links dropped by the span limits."""
         if ctx.trace_id != self._trace_id:  # a journey's spans share theirs
             self._trace_id = ctx.trace_id
             self._trace_field = b"\x0a\x10" + ctx.trace_id.to_bytes(16, "big")
         parts = [self._trace_field, b"\x12\x08" + ctx.span_id.to_bytes(8, "big")]
         if ctx.trace_state:
             parts.append(_string(0x1A, _trace_state(ctx.trace_state)))
-        parent = span.parent
         if parent:
             parts.append(b"\x22\x08" + parent.span_id.to_bytes(8, "big"))
-        head = self._names.get((span.name, span.kind))
+        head = self._names.get((name, kind))
         if head is None:
-            head = _string(0x2A, span.name) + _KIND[span.kind]
+            head = _string(0x2A, name) + _KIND[kind]
             if len(self._names) < _CACHE_LIMIT:
-                self._names[(span.name, span.kind)] = head
+                self._names[(name, kind)] = head
         parts.append(head)
-        if span.start_time:
-            parts.append(b"\x39" + _FIXED64(span.start_time))
-        if span.end_time:
-            parts.append(b"\x41" + _FIXED64(span.end_time))
-        parts.extend(self._attrs(0x4A, span.attributes))
-        if span.dropped_attributes:
-            parts.append(b"\x50" + _varint(span.dropped_attributes))
-        for event in span.events:
+        if start_time:
+            parts.append(b"\x39" + _FIXED64(start_time))
+        if end_time:
+            parts.append(b"\x41" + _FIXED64(end_time))
+        parts.extend(self._attrs(0x4A, attributes))
+        for tag, count in zip((b"\x50", b"\x60", b"\x70"), dropped, strict=True):
+            if count:  # fields 10, 12, 14 (a parser takes fields in any order)
+                parts.append(tag + _varint(count))
+        for event in events:
             parts.append(_field(0x5A, self._event(event.name, event.timestamp, event)))
-        if span.dropped_events:
-            parts.append(b"\x60" + _varint(span.dropped_events))
-        for link in span.links:
+        for link in links:
             parts.append(_field(0x6A, self._link(link.context, link)))
-        if span.dropped_links:
-            parts.append(b"\x70" + _varint(span.dropped_links))
-        status = span.status
         encoded = self._statuses.get((status.status_code, status.description))
         if encoded is None:
             encoded = _field(0x7A, _status(status.status_code.value, status.description))

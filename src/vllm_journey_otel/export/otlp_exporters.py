@@ -24,8 +24,10 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
     OTLPSpanExporter as SdkHttpSpanExporter,
 )
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.semconv.attributes.http_attributes import HTTP_RESPONSE_STATUS_CODE
 
 from vllm_journey_otel.export.otlp_encoder import OtlpEncoder
@@ -45,6 +47,29 @@ class Encoded:
         return self.count
 
 
+class _TakesEncoded:
+    """What both exporters add: spans arrive as ReadableSpans or, once
+    :meth:`take_encoded` said yes, as Span fields our span builder encoded
+    (``span_builder.SpanBuilder.encode``), all of one resource and scope."""
+
+    _encoder: OtlpEncoder
+    _fast: bool
+    _wrapping: tuple[Resource, InstrumentationScope] | None = None
+
+    def take_encoded(self, resource: Resource, scope: InstrumentationScope) -> bool:
+        """Whether this exporter takes encoded spans (of this resource and scope) from now on."""
+        if self._fast:
+            self._wrapping = (resource, scope)
+        return self._fast
+
+    def _payload(self, spans: Sequence[Any]) -> bytes:
+        if spans and isinstance(spans[0], bytes):
+            if self._wrapping is None:
+                raise TypeError("encoded spans given to an exporter that did not take them")
+            return self._encoder.wrap(*self._wrapping, spans)
+        return self._encoder.encode(spans)
+
+
 def _fallback(exporter: object, missing: str) -> None:
     logger.info(
         "journey-otel exporter: %s lacks %s (checked against opentelemetry-exporter-otlp "
@@ -54,7 +79,7 @@ def _fallback(exporter: object, missing: str) -> None:
     )
 
 
-class GrpcSpanExporter(SdkGrpcSpanExporter):
+class GrpcSpanExporter(_TakesEncoded, SdkGrpcSpanExporter):
     """OTLP/gRPC. The SDK's ``_export`` (opentelemetry-exporter-otlp-proto-grpc
     1.45: retries with backoff, channel re-creation, self-metrics) sends what
     ``_translate_data`` returns; ours parses our bytes into the request message
@@ -70,7 +95,7 @@ class GrpcSpanExporter(SdkGrpcSpanExporter):
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         if not self._fast:
             return super().export(spans)
-        return self._export(Encoded(self._encoder.encode(spans), len(spans)))  # type: ignore[arg-type]
+        return self._export(Encoded(self._payload(spans), len(spans)))  # type: ignore[arg-type]
 
     def _translate_data(self, data: Any) -> ExportTraceServiceRequest:
         if isinstance(data, Encoded):
@@ -84,7 +109,7 @@ class GrpcSpanExporter(SdkGrpcSpanExporter):
 _HTTP_PARTS = ("_shutdown", "_metrics", "_max_request_size", "_client")
 
 
-class HttpSpanExporter(SdkHttpSpanExporter):
+class HttpSpanExporter(_TakesEncoded, SdkHttpSpanExporter):
     """OTLP/HTTP with protobuf. The SDK's ``export`` (1.45) encodes, checks the
     request's size, and posts through its client (compression, headers, TLS,
     retries); this is that method with our bytes in place of ``encode_spans``."""
@@ -105,7 +130,7 @@ class HttpSpanExporter(SdkHttpSpanExporter):
             return SpanExportResult.FAILURE
         with self._metrics.export_operation(len(spans)) as result:
             try:
-                data = self._encoder.encode(spans)
+                data = self._payload(spans)
             except Exception as error:  # as the SDK's: a batch that cannot be encoded fails
                 logger.error("journey-otel exporter: could not encode a span batch: %s", error)
                 result.error = error

@@ -28,6 +28,7 @@ from opentelemetry.util.types import AttributeValue
 
 from vllm_journey_otel import rng
 from vllm_journey_otel import schema as S
+from vllm_journey_otel.export.otlp_encoder import OtlpEncoder
 from vllm_journey_otel.export.spans import PlannedSpan, trace_id_of
 
 SAMPLED = TraceFlags(TraceFlags.SAMPLED)
@@ -102,14 +103,13 @@ class SpanBuilder:
             return BoundedList.from_seq(self.max_events, events)
         return events
 
-    def build(
+    def _resolve(
         self,
         plan: Sequence[PlannedSpan],
         parent: SpanContext | None,
-        root_links: Sequence[trace.Link] = (),
-    ) -> list[ReadableSpan]:
-        """The spans of one plan (element 0 its root) under ``parent``, the
-        client's remote context (None: the root starts a trace of its own)."""
+        root_links: Sequence[trace.Link],
+    ) -> list[tuple[PlannedSpan, SpanContext, SpanContext | None, dict[str, AttributeValue]]]:
+        """Each planned span's context, its parent's, and its attributes cut to the limit."""
         root = plan[0]
         if parent is not None and parent.is_valid:
             trace_id, trace_state = parent.trace_id, parent.trace_state
@@ -118,20 +118,36 @@ class SpanBuilder:
             trace_id = trace_id_of(root.ids) if root.ids is not None else self._trace_id()
             trace_state = None
         contexts: list[SpanContext] = []
-        spans: list[ReadableSpan] = []
+        out = []
         limit = self.max_span_attribute_length
         for i, p in enumerate(plan):
             span_id = root.ids.span_id if i == 0 and root.ids is not None else self._span_id()
             context = SpanContext(trace_id, span_id, False, SAMPLED, trace_state)
             contexts.append(context)
+            parent_context = parent if p.parent is None else contexts[p.parent]
+            out.append((p, context, parent_context, bounded(p.attributes, limit)))
+        return out
+
+    def build(
+        self,
+        plan: Sequence[PlannedSpan],
+        parent: SpanContext | None,
+        root_links: Sequence[trace.Link] = (),
+    ) -> list[ReadableSpan]:
+        """The spans of one plan (element 0 its root) under ``parent``, the
+        client's remote context (None: the root starts a trace of its own)."""
+        spans = []
+        for i, (p, context, parent_context, attributes) in enumerate(
+            self._resolve(plan, parent, root_links)
+        ):
             links = [*root_links, *p.links] if i == 0 else p.links
             spans.append(
                 ReadableSpan(
                     p.name,
                     context=context,
-                    parent=parent if p.parent is None else contexts[p.parent],
+                    parent=parent_context,
                     resource=self.resource,
-                    attributes=bounded(p.attributes, limit),
+                    attributes=attributes,
                     links=self._links(links) if links else (),
                     kind=p.kind,
                     status=ERROR_STATUS if p.error else UNSET_STATUS,
@@ -143,6 +159,35 @@ class SpanBuilder:
             )
         return spans
 
+    def encode(
+        self,
+        encoder: OtlpEncoder,
+        plan: Sequence[PlannedSpan],
+        parent: SpanContext | None,
+        root_links: Sequence[trace.Link] = (),
+    ) -> list[bytes]:
+        """What :meth:`build` builds, as OTLP Span fields (``otlp_encoder.OtlpEncoder.span``)
+        without the SDK's span objects: for exporters that take them
+        (``otlp_exporters.py``); ``encoder.wrap`` makes the request."""
+        out = []
+        for i, (p, context, parent_context, attributes) in enumerate(
+            self._resolve(plan, parent, root_links)
+        ):
+            links = [*root_links, *p.links] if i == 0 else p.links
+            kept_links = self._links(links) if links else ()
+            events = self._events(p) if p.events else ()
+            dropped = (0, getattr(events, "dropped", 0), getattr(kept_links, "dropped", 0))
+            status = ERROR_STATUS if p.error else UNSET_STATUS
+            span = encoder.span(
+                context, parent_context, p.name, p.kind, p.start_unix_ns, p.end_unix_ns,
+                attributes, events, kept_links, status, dropped,
+            )  # fmt: skip
+            out.append(span)
+        return out
+
     def build_step(self, planned: PlannedSpan) -> ReadableSpan:
         """A vllm.step span: the root of a trace of its own."""
         return self.build([planned], None)[0]
+
+    def encode_step(self, encoder: OtlpEncoder, planned: PlannedSpan) -> bytes:
+        return self.encode(encoder, [planned], None)[0]

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter
+from opentelemetry.trace import Link, SpanContext
 from opentelemetry.util.types import AttributeValue
 
 from vllm_journey_otel import schema as S
@@ -36,6 +36,7 @@ from vllm_journey_otel.export.exporters import (
 )
 from vllm_journey_otel.export.health import ExportHealth
 from vllm_journey_otel.export.in_flight_spans import plan_in_flight
+from vllm_journey_otel.export.otlp_encoder import OtlpEncoder
 from vllm_journey_otel.export.span_builder import SpanBuilder
 from vllm_journey_otel.export.spans import ROOT, plan_spans, plan_step, root_context
 from vllm_journey_otel.journey import ApiJourney, InFlight, Record, StepRecord
@@ -58,6 +59,8 @@ class SpanSink:
         self._clock = clock or ClockAnchor()
         self._stop = stop
         self.failed = 0
+        # Set: the stage takes Span fields encoded here (otlp_exporters.py), not ReadableSpans.
+        self.encoder: OtlpEncoder | None = None
 
     @classmethod
     def from_env(
@@ -96,7 +99,12 @@ class SpanSink:
             shares_gil=in_engine,
         )
         builder = SpanBuilder(make_resource(resource_attributes), span_limits())
-        return cls(builder, stage, stop=stop)
+        sink = cls(builder, stage, stop=stop)
+        # Where every exporter takes them (the SDK's OTLP ones, as ours), spans are
+        # encoded here straight from their plans, without the SDK's span objects.
+        if exporters and all(_takes_encoded(e, builder) for e in exporters):
+            sink.encoder = OtlpEncoder()
+        return sink
 
     def offer(self, batch: Sequence[Record], engine_dropped: int = 0) -> bool:
         return False  # building spans is not for the engine thread: always queue
@@ -126,25 +134,10 @@ class SpanSink:
         failed = 0
         health = self.health
         health.engine_dropped = max(health.engine_dropped, engine_dropped)
-        built: list[ReadableSpan] = []
+        built: list[Any] = []  # ReadableSpans, or their OTLP fields (self.encoder)
         for journey in batch:
             try:
-                offset_ns = self._clock.anchor.offset_ns
-                if isinstance(journey, StepRecord):
-                    built.append(self.builder.build_step(plan_step(journey, offset_ns)))
-                elif isinstance(journey, InFlight):
-                    span, parent = plan_in_flight(journey, offset_ns)
-                    built.extend(self.builder.build([span], parent))
-                elif isinstance(journey, ApiJourney):
-                    plan, parent, links = plan_api(journey, offset_ns)
-                    self._health_attributes(plan[ROOT].attributes)
-                    built.extend(self.builder.build(plan, parent, links))
-                else:
-                    health.journeys += 1
-                    anchor = self._clock.anchor
-                    plan = plan_spans(journey, anchor.offset_ns, anchor.uncertainty_ns)
-                    self._health_attributes(plan[ROOT].attributes)
-                    built.extend(self.builder.build(plan, *root_context(journey)))
+                built.extend(self._spans(journey))
             except Exception:
                 failed += 1
                 if self.failed + failed == 1:
@@ -162,6 +155,28 @@ class SpanSink:
         self.failed += failed
         return failed
 
+    def _spans(self, journey: Record) -> list[Any]:
+        offset_ns = self._clock.anchor.offset_ns
+        links: Sequence[Link] = ()
+        parent: SpanContext | None = None
+        if isinstance(journey, StepRecord):
+            plan = [plan_step(journey, offset_ns)]
+        elif isinstance(journey, InFlight):
+            span, parent = plan_in_flight(journey, offset_ns)
+            plan = [span]
+        elif isinstance(journey, ApiJourney):
+            plan, parent, links = plan_api(journey, offset_ns)
+            self._health_attributes(plan[ROOT].attributes)
+        else:
+            self.health.journeys += 1
+            anchor = self._clock.anchor
+            plan = plan_spans(journey, anchor.offset_ns, anchor.uncertainty_ns)
+            self._health_attributes(plan[ROOT].attributes)
+            parent, links = root_context(journey)
+        if self.encoder is not None:
+            return self.builder.encode(self.encoder, plan, parent, links)
+        return self.builder.build(plan, parent, links)
+
     def _health_attributes(self, root: dict[str, AttributeValue]) -> None:
         root[S.TRACER_DROPPED_JOURNEYS] = self.health.engine_dropped
         root[S.TRACER_LOST_SPANS] = self.health.lost_spans
@@ -172,6 +187,11 @@ class SpanSink:
 
     def shutdown(self, timeout_s: float) -> None:
         self.stage.shutdown(timeout_s)
+
+
+def _takes_encoded(exporter: SpanExporter, builder: SpanBuilder) -> bool:
+    take = getattr(exporter, "take_encoded", None)
+    return callable(take) and bool(take(builder.resource, builder.scope))
 
 
 # Spans handed to the export stage at a time: a large frame (a drain of the
