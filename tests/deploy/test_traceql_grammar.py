@@ -7,8 +7,11 @@ lexer_test.go, plus the string-escape cases behind the dashboard's regex filters
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
-from traceql_grammar import TraceQLError, _tables, parse
+from traceql_grammar import TEMPO_VERSION, TraceQLError, _tables, parse
 
 # Queries Tempo's parser accepts.
 VALID = [
@@ -362,3 +365,18 @@ def test_numbers() -> None:
 def test_error_names_the_offset() -> None:
     with pytest.raises(TraceQLError, match=r"syntax error at offset 5: unexpected '\|'"):
         parse("{ .a | .b }")
+
+
+def test_the_grammar_is_the_one_of_the_tempo_the_kit_runs() -> None:
+    """The compose file's default Tempo (and the manual's table of defaults) is the
+    release this checker was written from: a dashboard query checked here is one
+    that Tempo parses. A user who picks another TEMPO_VERSION runs unchecked queries."""
+    root = Path(__file__).resolve().parents[2]
+    compose = (root / "docker-compose.yml").read_text()
+    (pinned,) = re.findall(r"grafana/tempo:\$\{TEMPO_VERSION:-([^}]+)\}", compose)
+    assert pinned == TEMPO_VERSION
+    table = (root / "docs" / "configuration.md").read_text()
+    row = next(line for line in table.splitlines() if line.startswith("| `OTELCOL_VERSION`"))
+    names = re.findall(r"`([A-Z_]+_VERSION)`", row.split("|")[1])
+    values = re.findall(r"`([^`]+)`", row.split("|")[2])
+    assert dict(zip(names, values, strict=True))["TEMPO_VERSION"] == TEMPO_VERSION

@@ -47,6 +47,10 @@ class TraceQLError(ValueError):
 
 # --- Lexer (pkg/traceql/lexer.go on top of Go's text/scanner)
 
+# The Tempo release this grammar is written from: the compose file's default
+# TEMPO_VERSION must be this one (tests/deploy/test_traceql_grammar.py).
+TEMPO_VERSION = "2.8.2"
+
 _TOKEN_TEXT = (
     ", . { } ( ) = != =~ !~ > >= < <= + - / % * ^ && || ! | >> << ~ !> !< !>> !<< &~ &> &< "
     "&>> &<< true false nil ok error unset unspecified internal server client producer "
