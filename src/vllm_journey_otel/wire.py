@@ -5,11 +5,15 @@ msgpack-encoded :class:`Frame` (finished journeys and sampled engine steps, and
 how many journeys the engine core has dropped so far, for the tracer-health
 attributes). Written by the engine core (``engine/pipe_sink.py``: the engine
 thread, or the drain thread), read by the exporter process's main thread
-(:class:`FrameReader`). Clock: ``time.monotonic()`` for the paced read.
+(:class:`FrameReader`). Back the other way, one counter (:class:`Acks`): how
+many of the records it was sent the exporter has accounted for, written by its
+threads, read by the engine core when that exporter is gone. Clock:
+``time.monotonic()`` for the paced read.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import select
 import struct
@@ -32,6 +36,45 @@ class Frame(msgspec.Struct, array_like=True):
     journeys: list[Record]  # finished journeys and sampled engine steps
     # Journeys the engine core dropped so far (full queue, exporter gone).
     engine_dropped: int = 0
+
+
+class Acks:
+    """How many records (journeys, snapshots, steps) sent to one exporter it has
+    accounted for: their spans exported, or counted lost in its own health
+    (failed to build, failed to export). Eight bytes of shared memory, a memfd
+    the engine core creates and passes to the exporter it starts; the exporter
+    writes it (``export/span_sink.py``), the engine core reads it when that
+    exporter dies: what it was sent minus this was lost with it, uncounted
+    anywhere else. A 64-bit aligned store: a reader never sees half of one."""
+
+    _COUNT = struct.Struct("<Q")
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._map = mmap.mmap(fd, self._COUNT.size)
+
+    @classmethod
+    def create(cls) -> Acks | None:
+        """A new counter at 0 (None where the platform has no memfd)."""
+        if not hasattr(os, "memfd_create"):
+            return None
+        fd = os.memfd_create("vllm-journey-otel-acks", 0)
+        try:
+            os.ftruncate(fd, cls._COUNT.size)
+            return cls(fd)
+        except OSError:
+            os.close(fd)
+            return None
+
+    def read(self) -> int:
+        return int(self._COUNT.unpack_from(self._map)[0])
+
+    def write(self, count: int) -> None:
+        self._COUNT.pack_into(self._map, 0, count)
+
+    def close(self) -> None:
+        self._map.close()
+        os.close(self.fd)
 
 
 ENCODER = msgspec.msgpack.Encoder()

@@ -489,8 +489,15 @@ def test_a_killed_exporter_is_replaced_while_serving(model_dir, receiver, tmp_pa
         check_invariants(root)
         assert root.attrs[S.FINISH_STATUS] == S.FINISH_LENGTH
     log = server.log_path.read_text(errors="replace")
-    assert f"exporter process {old} is gone (0 left); a new one starts in" in log
+    held = re.search(
+        rf"exporter process {old} is gone \(0 left\); (\d+) journeys it had been sent were "
+        r"lost with it \(counted in the next journeys' dropped_journeys\); a new one starts in",
+        log,
+    )
+    assert held, server.tail()
     m = re.search(rf"exporter process {new[0]} started in place of a lost one; (\d+) journeys", log)
     assert m, server.tail()
-    # What was dropped while none ran is counted on the roots exported after it.
-    assert all(int(r.attrs[S.TRACER_DROPPED_JOURNEYS]) >= int(m.group(1)) for r in roots)  # type: ignore[call-overload]
+    # What the dead exporter held and what was dropped while none ran are
+    # counted on the roots exported after it.
+    lost = int(held.group(1)) + int(m.group(1))
+    assert all(int(r.attrs[S.TRACER_DROPPED_JOURNEYS]) >= lost for r in roots)  # type: ignore[call-overload]

@@ -83,6 +83,8 @@ def test_a_killed_exporter_is_replaced_and_journeys_flow_again(exporting, caplog
         for j in journeys(5):
             pipeline.submit(j)
         wait_until(lambda: len(roots_of(receiver)) == 5, 60, 0.05, "the first journeys")
+        # Delivered and acknowledged: a death now loses nothing it was sent.
+        wait_until(lambda: sink.records_in_flight == 0, 10, 0.01, "the exporter's account")
         os.kill(old, signal.SIGKILL)  # as the OOM killer would
         # Noticed by the drain thread without a write (the pipe's reader closed);
         # the replacement starts FIRST_DELAY_S later.
@@ -125,3 +127,41 @@ def test_no_replacement_after_shutdown(exporting) -> None:  # type: ignore[no-un
     sink.restarts.due = 0.0  # due long ago
     sink.maintain()
     assert sink.pids == [pid] and sink.restarts.count == 0 and sink.exporters == 0
+
+
+def test_what_a_killed_exporter_held_is_counted_on_later_roots(exporting, caplog) -> None:  # type: ignore[no-untyped-def]
+    """Journeys in the pipe and in the exporter (built, waiting for a backend that
+    never answers) when it is SIGKILLed: the engine side counts exactly those
+    its exporter had not accounted for (wire.Acks), says so in one line, and
+    the roots exported after the replacement carry the count."""
+    from fault_proxy import BLACKHOLE, FORWARD, FaultProxy
+
+    receiver = exporting
+    proxy = FaultProxy(receiver.grpc_port)
+    proxy.set_mode(BLACKHOLE)
+    os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = f"http://127.0.0.1:{proxy.port}"
+    caplog.set_level(logging.WARNING, logger="vllm.journey_otel")
+    sink = PipeSink.start({"service.name": "held"})
+    pipeline = JourneyPipeline(sink, interval_s=0.02)
+    old = sink.pid
+    assert old is not None
+    try:
+        for j in journeys(300):
+            pipeline.submit(j)
+        pipeline.drain()
+        # Every frame is in the pipe or the exporter; none can be delivered.
+        wait_until(lambda: sink.records_in_flight == 300, 30, 0.02, "300 journeys sent")
+        os.kill(old, signal.SIGKILL)
+        wait_until(lambda: sink.broken, 10, 0.002, "the loss noticed")
+        assert sink.lost_pending == 300
+        proxy.set_mode(FORWARD)
+        wait_until(lambda: not sink.broken and sink.exporters == 1, 30, 0.02, "a new exporter")
+        for j in journeys(5, start=1000):
+            pipeline.submit(j)
+        wait_until(lambda: len(roots_of(receiver)) == 5, 60, 0.05, "journeys after the restart")
+    finally:
+        pipeline.shutdown(5)
+        proxy.close()
+    for root in roots_of(receiver).values():
+        assert root.attrs[S.TRACER_DROPPED_JOURNEYS] == 300  # type: ignore[attr-defined]
+    assert f"exporter process {old} is gone (0 left); 300 journeys it had been sent" in caplog.text

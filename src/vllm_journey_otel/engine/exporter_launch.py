@@ -39,24 +39,37 @@ def placement_roots() -> list[int]:
     return roots
 
 
-# Starts the exporter in a new session and writes its pid to the fd in argv[1].
+# Starts the exporter in a new session, passing it the fds listed in argv[2]
+# (comma-separated), and writes its pid to the fd in argv[1].
 _LAUNCHER = (
     "import os, subprocess, sys\n"
-    "p = subprocess.Popen(sys.argv[2:], stdin=sys.stdin, start_new_session=True, close_fds=True)\n"
+    "keep = [int(f) for f in sys.argv[2].split(',') if f]\n"
+    "p = subprocess.Popen(sys.argv[3:], stdin=sys.stdin, start_new_session=True,"
+    " close_fds=True, pass_fds=keep)\n"
     "os.write(int(sys.argv[1]), str(p.pid).encode())\n"
 )
 
 
-def launch(argv: list[str], env: dict[str, str], python: str | None) -> tuple[int, int | None]:
-    """Start one exporter through the launcher; the write end of its pipe, its pid."""
+def launch(
+    argv: list[str], env: dict[str, str], python: str | None, pass_fds: tuple[int, ...] = ()
+) -> tuple[int, int | None]:
+    """Start one exporter through the launcher (with ``pass_fds`` open in it);
+    the write end of its pipe, its pid."""
     read_fd, write_fd = os.pipe()
     pid_r, pid_w = os.pipe()
     try:
         launcher = subprocess.run(
-            [python or sys.executable, "-c", _LAUNCHER, str(pid_w), *argv],
+            [
+                python or sys.executable,
+                "-c",
+                _LAUNCHER,
+                str(pid_w),
+                ",".join(map(str, pass_fds)),
+                *argv,
+            ],
             stdin=read_fd,
             env=env,
-            pass_fds=(pid_w,),
+            pass_fds=(pid_w, *pass_fds),
             timeout=30,
             check=False,
         )

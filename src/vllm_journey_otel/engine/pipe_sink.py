@@ -28,7 +28,7 @@ from vllm_journey_otel.config import EXPORTER_PROCESSES, QUEUE_SIZE
 from vllm_journey_otel.engine.exporter_launch import Restarts, launch, placement_roots
 from vllm_journey_otel.journey import Record
 from vllm_journey_otel.log import logger
-from vllm_journey_otel.wire import ENCODER, FRAME_HEADER, Frame
+from vllm_journey_otel.wire import ENCODER, FRAME_HEADER, Acks, Frame
 
 # The drain thread's maintain() waits at most this long for the sink's lock.
 DRAIN_LOCK_S = 0.2
@@ -36,6 +36,22 @@ DRAIN_LOCK_S = 0.2
 
 class FrameLost(Exception):
     """A frame could not be delivered to any exporter (its journeys are counted)."""
+
+
+def _launch(
+    argv: list[str], env: dict[str, str], python: str | None
+) -> tuple[int, int | None, Acks | None]:
+    """One exporter (``exporter_launch.launch``) with its ``wire.Acks`` counter,
+    whose fd it gets as its last argument; the pipe's write end, its pid, the counter."""
+    acks = Acks.create()
+    if acks is None:
+        return (*launch(argv, env, python), None)
+    try:
+        fd, pid = launch([*argv, str(acks.fd)], env, python, pass_fds=(acks.fd,))
+    except BaseException:
+        acks.close()
+        raise
+    return fd, pid, acks
 
 
 class PipeSink:
@@ -78,10 +94,15 @@ class PipeSink:
         self._pending = b""
         self._pending_fd = -1
         self._pending_journeys = 0
-        # Journeys lost with a partial frame (its exporter went away): the
-        # pipeline never hears of them (``offer`` had returned True), so the next
-        # frames add them to the engine's drop count they carry.
+        # Journeys lost after an offer took them (the pipeline never hears of
+        # them): with a partial frame whose exporter went away, and what a dead
+        # exporter had been sent but not accounted for (its ``wire.Acks``). The
+        # next frames add them to the engine's drop count they carry.
         self.lost_pending = 0
+        # Per pipe: records in the frames written whole to it, and its exporter's
+        # count of those it accounted for (None: no memfd on this platform).
+        self._records_sent: dict[int, int] = dict.fromkeys(self._fds, 0)
+        self._acks: dict[int, Acks | None] = {}
         # Replacing lost exporters (drain thread): how to start one, how many to keep.
         self._recipe: tuple[list[str], dict[str, str], str | None] | None = None
         self.wanted = len(self._fds)
@@ -94,6 +115,17 @@ class PipeSink:
     def exporters(self) -> int:
         """Exporter processes still connected."""
         return len(self._fds)
+
+    @property
+    def records_in_flight(self) -> int:
+        """Records written whole to the exporters still connected and not yet
+        accounted for by them (what a death now would lose; 0 without counters)."""
+        acks = self._acks
+        return sum(
+            sent - counter.read()
+            for fd, sent in self._records_sent.items()
+            if (counter := acks.get(fd)) is not None
+        )
 
     @classmethod
     def start(
@@ -115,9 +147,10 @@ class PipeSink:
         fds: list[int] = []
         pids: list[int] = []
         pid_of: dict[int, int | None] = {}
+        acks: dict[int, Acks | None] = {}
         try:
             for _ in range(max(1, processes)):
-                fd, pid = launch(argv, child_env, python)
+                fd, pid, acks[fd] = _launch(argv, child_env, python)
                 fds.append(fd)
                 pid_of[fd] = pid
                 if pid is not None:
@@ -130,6 +163,7 @@ class PipeSink:
         sink = cls(fds, pids[0] if pids else None)
         sink.pids = pids
         sink._pid_of = pid_of
+        sink._acks = acks
         sink._recipe = (argv, child_env, python)
         return sink
 
@@ -157,6 +191,7 @@ class PipeSink:
             _, journeys, _ = self._take_pending()
             self.lost_pending += journeys
             self.failed += journeys
+        held = self._undelivered(fd)
         with contextlib.suppress(OSError):
             os.close(fd)
         if not self._fds:
@@ -170,11 +205,28 @@ class PipeSink:
             if self.broken:
                 then += "; journeys are dropped (and counted) until then"
         logger.warning(
-            "journey-otel: exporter process %s is gone (%d left); %s",
+            "journey-otel: exporter process %s is gone (%d left)%s; %s",
             pid if pid is not None else "?",
             len(self._fds),
+            ""
+            if held is None
+            else f"; {held} journeys it had been sent were lost with it "
+            "(counted in the next journeys' dropped_journeys)",
             then,
         )
+
+    def _undelivered(self, fd: int) -> int | None:
+        """What the exporter behind ``fd`` (gone) had been sent in whole frames and
+        not accounted for, added to the count the next frames carry; None where
+        it had no counter."""
+        sent = self._records_sent.pop(fd, 0)
+        acks = self._acks.pop(fd, None)
+        if acks is None:
+            return None
+        held = max(0, sent - acks.read())
+        acks.close()
+        self.lost_pending += held
+        return held
 
     def maintain(self) -> None:
         """Drain thread: notice exporters gone while nothing was written (the
@@ -199,7 +251,7 @@ class PipeSink:
             return
         argv, env, python = self._recipe
         try:
-            fd, pid = launch(argv, env, python)
+            fd, pid, acks = _launch(argv, env, python)
         except Exception:
             self.restarts.did_start(now, more_wanted=True)
             logger.warning(
@@ -211,10 +263,14 @@ class PipeSink:
         with self._lock:
             if self._closing:  # shut down meanwhile: the new one sees end-of-file
                 os.close(fd)
+                if acks is not None:
+                    acks.close()
                 return
             was_broken = self.broken
             self._fds.append(fd)
             self._sent[fd] = 0
+            self._records_sent[fd] = 0
+            self._acks[fd] = acks
             self._pid_of[fd] = pid
             if pid is not None:
                 self.pids.append(pid)
@@ -270,6 +326,8 @@ class PipeSink:
                 if n < len(data):
                     self._pending, self._pending_fd = data[n:], fd
                     self._pending_journeys = len(batch)
+                else:
+                    self._records_sent[fd] += len(batch)
                 return True
             # Declined: every pipe is full, or the last exporter just went away
             # (then the drain thread's consume counts the batch as failed, once).
@@ -308,6 +366,8 @@ class PipeSink:
                     continue
                 self._sent[target] += n
                 fd, view = target, view[n:]
+                if not view:  # the frame is whole in that pipe
+                    self._records_sent[fd] += journeys
                 break
             else:
                 if not self._fds:
@@ -391,6 +451,9 @@ class PipeSink:
             for fd in self._fds:  # EOF: each exporter exports what it has and exits
                 with contextlib.suppress(OSError):
                     os.close(fd)
+                acks = self._acks.pop(fd, None)
+                if acks is not None:
+                    acks.close()
             self._fds = []
         finally:
             self._lock.release()

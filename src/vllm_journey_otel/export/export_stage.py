@@ -69,6 +69,10 @@ class ExportStage:
         self._oldest = 0.0  # when the first pending span was added
         self._added = 0  # spans added, in all
         self._done = 0  # spans exported or failed, in all
+        # Told the count of spans through an export (exported or failed), in the
+        # order they were added, after each export, on the thread that exported.
+        self.on_exported: Callable[[int], None] | None = None
+        self._through = 0
         self._flush_to = 0  # export everything up to this count now
         self._stopping = False
         self.waited_s = 0.0  # add() waiting for room, in all: export is the bottleneck
@@ -99,6 +103,9 @@ class ExportStage:
         if not spans:
             return
         if not self.exporters:  # OTEL_TRACES_EXPORTER=none: recorded, not exported
+            self._through += len(spans)  # and through: nothing more happens to them
+            if self.on_exported is not None:
+                self.on_exported(self._through)
             return
         if self._thread is None or self._dead:
             self._export(spans)
@@ -187,6 +194,9 @@ class ExportStage:
                     self.health.exported(len(batch), self.endpoint)
                 else:
                     self.health.failed(len(batch), self.endpoint)
+        self._through += len(batch)
+        if self.on_exported is not None:
+            self.on_exported(self._through)
 
     # -- any thread -------------------------------------------------------------
     def flush(self, timeout_s: float) -> bool:

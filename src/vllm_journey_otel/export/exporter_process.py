@@ -19,7 +19,7 @@ It runs at the lowest CPU priority and off the CPUs vLLM binds its threads to
 (export/cpu_placement.py), applied before it starts any thread.
 
     python -m vllm_journey_otel.export.exporter_process '<resource attributes as JSON>' \
-        [<pids whose process trees hold vLLM's bound threads, comma-separated>]
+        [<pids whose process trees hold vLLM's bound threads, comma-separated>] [<acks fd>]
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from vllm_journey_otel.export.cpu_placement import ExporterPlacement
 from vllm_journey_otel.export.health import ExportHealth, SdkLogQuieter
 from vllm_journey_otel.export.span_sink import SpanSink
 from vllm_journey_otel.log import logger
-from vllm_journey_otel.wire import READ_PACE_S, FrameReader
+from vllm_journey_otel.wire import READ_PACE_S, Acks, FrameReader
 
 # The exporter is not bound by vLLM's kill deadline; give the final export time.
 MIN_FINAL_FLUSH_S = 10.0
@@ -97,6 +97,17 @@ def _certificate_wins() -> None:
                 logger.debug("journey-otel exporter: %s ignored: a certificate is set", name)
 
 
+def _acks(argv: list[str]) -> Acks | None:
+    """The engine core's counter of what this process accounted for (``wire.Acks``),
+    whose fd is the last argument; None without one."""
+    if len(argv) > 3 and argv[3].isdigit():
+        try:
+            return Acks(int(argv[3]))
+        except OSError:
+            logger.warning("journey-otel exporter: no delivery counter (fd %s)", argv[3])
+    return None
+
+
 def main(argv: list[str]) -> int:
     logging.basicConfig(
         level=logging.INFO,
@@ -117,6 +128,7 @@ def main(argv: list[str]) -> int:
     sink = SpanSink.from_env(
         attributes, health=health, stop=_stopping, cpu_priority=config.cpu_priority
     )
+    sink.acks = _acks(argv)
     tune_gc()
     reader = FrameReader()
     try:

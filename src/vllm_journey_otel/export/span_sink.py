@@ -9,6 +9,8 @@ core's stamps on the same host).
 
 from __future__ import annotations
 
+import threading
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -41,6 +43,7 @@ from vllm_journey_otel.export.span_builder import SpanBuilder
 from vllm_journey_otel.export.spans import ROOT, plan_spans, plan_step, root_context
 from vllm_journey_otel.journey import ApiJourney, InFlight, Record, StepRecord
 from vllm_journey_otel.log import logger
+from vllm_journey_otel.wire import Acks
 
 
 class SpanSink:
@@ -61,6 +64,17 @@ class SpanSink:
         self.failed = 0
         # Set: the stage takes Span fields encoded here (otlp_exporters.py), not ReadableSpans.
         self.encoder: OtlpEncoder | None = None
+        # The records accounted for (wire.Acks, exporter process only): those
+        # that failed to build (this thread) and those whose spans are through
+        # an export (the stage's thread: ``_marks`` holds each record's last
+        # span's number in the order the stage takes them).
+        self.acks: Acks | None = None
+        self._marks: deque[int] = deque()
+        self._spans_added = 0
+        self._records_unbuilt = 0
+        self._records_through = 0
+        self._acks_lock = threading.Lock()
+        stage.on_exported = self._through
 
     @classmethod
     def from_env(
@@ -137,8 +151,10 @@ class SpanSink:
         built: list[Any] = []  # ReadableSpans, or their OTLP fields (self.encoder)
         for journey in batch:
             try:
-                built.extend(self._spans(journey))
+                spans = self._spans(journey)
             except Exception:
+                self._records_unbuilt += 1
+                self._ack()
                 failed += 1
                 if self.failed + failed == 1:
                     logger.warning(
@@ -146,6 +162,13 @@ class SpanSink:
                         "later failures are counted silently",
                         exc_info=True,
                     )
+            else:
+                built.extend(spans)
+                if spans:
+                    self._spans_added += len(spans)
+                    self._marks.append(self._spans_added)
+                else:
+                    self._records_unbuilt += 1
             if len(built) >= ADD_SPANS:
                 health.spans_built += len(built)
                 self.stage.add(built, self._stop, deadline)
@@ -154,6 +177,21 @@ class SpanSink:
         self.stage.add(built, self._stop, deadline)
         self.failed += failed
         return failed
+
+    def _through(self, spans_through: int) -> None:
+        """The stage's thread: records whose last span is through an export are accounted for."""
+        marks, through = self._marks, 0
+        while marks and marks[0] <= spans_through:
+            marks.popleft()
+            through += 1
+        if through:
+            self._records_through += through
+            self._ack()
+
+    def _ack(self) -> None:
+        if self.acks is not None:
+            with self._acks_lock:
+                self.acks.write(self._records_through + self._records_unbuilt)
 
     def _spans(self, journey: Record) -> list[Any]:
         offset_ns = self._clock.anchor.offset_ns
