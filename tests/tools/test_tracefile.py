@@ -23,7 +23,7 @@ from vllm_journey_otel.export.otlp_json import json_to_request, spans_to_json
 from vllm_journey_otel.tools.cli import CHROMIUM_FLAGS
 from vllm_journey_otel.tools.cli import main as cli_main
 from vllm_journey_otel.tools.summary import percentile, summarize
-from vllm_journey_otel.tools.tracefile import read_spans
+from vllm_journey_otel.tools.tracefile import FileSpan, read_spans
 
 pytestmark = requires_vllm
 harness = import_harness()
@@ -242,3 +242,24 @@ def test_replay_unreachable_endpoint(traced, capsys) -> None:  # type: ignore[no
     )
     assert code == 3
     assert "failed" in capsys.readouterr().err
+
+
+def test_summary_splits_engine_journeys_by_data_parallel_rank() -> None:
+    """With journeys from several ranks the summary gives each rank's count and
+    durations (the rank on each engine core's resource); with one, nothing."""
+    from vllm_journey_otel.tools.summary import format_text
+
+    def root(i: int, rank: int | None, ms: int) -> FileSpan:
+        resource = {} if rank is None else {S.RES_DP_RANK: rank}
+        return FileSpan(S.SPAN_REQUEST, f"t{i}", f"s{i}", "", 0, ms * 1_000_000,
+                        {S.REQUEST_ID: f"r{i}"}, resource)  # fmt: skip
+
+    two = [root(0, 0, 10), root(1, 0, 30), root(2, 1, 50)]
+    d = summarize(two).to_dict()
+    ranks = d["by_data_parallel_rank"]
+    assert {k: v["count"] for k, v in ranks.items()} == {"0": 2, "1": 1}
+    assert ranks["1"]["max"] == 50.0 and ranks["0"]["max"] == 30.0
+    text = format_text(d)
+    assert "by data-parallel rank" in text and "rank 1" in text
+    assert summarize([root(0, 0, 10), root(1, 0, 20)]).to_dict()["by_data_parallel_rank"] is None
+    assert "data-parallel" not in format_text(summarize([root(0, None, 10)]).to_dict())

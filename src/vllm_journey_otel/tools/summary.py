@@ -52,6 +52,8 @@ class _Journey(NamedTuple):
     cached_tokens: int
     # Speculative decoding (None without it): drafts proposed, accepted, rate.
     drafts: tuple[int, int, float | None] | None
+    # The engine core's data-parallel rank (its resource; "" where none is named).
+    rank: str
 
 
 def _journey(span: FileSpan) -> _Journey:
@@ -75,6 +77,7 @@ def _journey(span: FileSpan) -> _Journey:
         int(a.get(S.GEN_AI_OUTPUT_TOKENS, 0)),
         int(a.get(S.GEN_AI_CACHE_READ_TOKENS, 0)),
         drafts,
+        str(span.resource.get(S.RES_DP_RANK, "")),
     )
 
 
@@ -113,6 +116,8 @@ class Summary:
     api_failed: int = 0
     api_disconnected: int = 0
     ended: set[str] = field(default_factory=set)  # root span ids whose journey is here
+    # Engine journeys' durations by data-parallel rank (shown with several ranks).
+    by_rank_ms: dict[str, list[float]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         def stats(values: list[float]) -> dict[str, float] | None:
@@ -171,6 +176,11 @@ class Summary:
                 if self.spec_requests
                 else None
             ),
+            "by_data_parallel_rank": (
+                {rank: stats(v) for rank, v in sorted(self.by_rank_ms.items())}
+                if len(self.by_rank_ms) > 1
+                else None
+            ),
             "slowest": [
                 {"duration_ms": round(d, 3), "request_id": rid, "trace_id": tid, "preemptions": n}
                 for d, rid, tid, n in sorted(self.slowest, reverse=True)
@@ -226,6 +236,7 @@ def summarize(spans: Iterable[FileSpan], top: int = 10) -> Summary:
         summary.journeys += 1
         summary.ended.add(span_id)
         summary.statuses[j.status] += 1
+        summary.by_rank_ms.setdefault(j.rank, []).append(j.duration_ms)
         for (name, _), value in zip(PHASES, j.phases, strict=True):
             if value is not None:  # missing is not zero: absent intervals are not counted
                 summary.phases_ms[name].append(value)
@@ -337,6 +348,15 @@ def format_text(d: dict[str, Any]) -> str:
         lines.append(
             f"remote KV loads: {kv['ms']['count']} reported done, {kv['failed']} of them failed"
         )
+    ranks = d.get("by_data_parallel_rank")
+    if ranks:  # an engine journey's duration, by the rank of the engine core that served it
+        lines += ["", f"{'engine journey (ms) by data-parallel rank':<44}{'count':>8}{'p50':>10}"
+                      f"{'p99':>10}{'max':>10}"]  # fmt: skip
+        for rank, st in ranks.items():
+            lines.append(
+                f"  rank {rank or '(none)':<37}{st['count']:>8}{st['p50']:>10.2f}"
+                f"{st['p99']:>10.2f}{st['max']:>10.2f}"
+            )
     if d["slowest"]:
         lines += ["", "slowest requests:", f"  {'ms':>10}  {'preempt':>7}  trace_id  request_id"]
         for s in d["slowest"]:
