@@ -14,6 +14,14 @@ send) in batches of the export stage's size (2,048 spans). Workload mixes:
 * ``short+steps``: as ``short`` with the step view on (``VLLM_JOURNEY_OTEL_STEPS=1``,
   every step): ``vllm.step`` spans are their own traces, counted apart.
 
+Every request comes, as with the product's defaults, from the API server: its
+trace headers name a ``vllm.api.request`` span, the engine's journey is its
+child, and the API server's own three spans (``vllm.api.request``,
+``vllm.api.input``, ``vllm.api.output``: built from a record of the request's
+API-side times, half streams, by the same code as the API server's exporter,
+with the API server's resource) are counted with the journey; ``--engine-only``
+leaves them out (``VLLM_JOURNEY_OTEL_API_SPANS=0``).
+
 Per mix: journeys, spans per journey (mean, p50, p99), OTLP bytes per span and
 per journey (mean, p99: a span's own message plus its share of the batch's
 resource/scope envelope), and bytes per journey after gzip of each export batch
@@ -24,7 +32,7 @@ gateway tier receives. Request ids are shaped like vLLM's OpenAI server's
 (``cmpl-<32 hex>-0-<8 hex>``); trace ids are random, as in production.
 
     .venv/bin/python benchmarks/span_sizes.py [JOURNEYS_PER_MIX] [--running N] [--seed S]
-        [--mixes short,long-chunked,preempting,short+steps]
+        [--mixes short,long-chunked,preempting,short+steps] [--engine-only]
 
 Defaults: 5,000 journeys per mix, 64 running; about a minute on 2 vCPUs.
 """
@@ -55,6 +63,10 @@ import harness
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.config import Batching, Config
 from vllm_journey_otel.engine import handoff, hooks
+from vllm_journey_otel.export.api_spans import plan_api
+from vllm_journey_otel.export.exporters import make_resource, span_limits
+from vllm_journey_otel.export.span_builder import SpanBuilder
+from vllm_journey_otel.journey import API_PARENT_KEY, ApiJourney, RootIds
 
 MIXES: dict[str, dict[str, Any]] = {
     "short": {"prompt": (64, 512), "out": (16, 256), "chunk": 2048, "kv": None},
@@ -71,8 +83,11 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
 
 
-def drive(mix: dict[str, Any], n: int, running: int, rng: random.Random) -> dict[str, int]:
-    """Run ``n`` journeys of the mix through a real Scheduler until all finished."""
+def drive(
+    mix: dict[str, Any], n: int, running: int, rng: random.Random, api: dict[str, RootIds] | None
+) -> dict[str, int]:
+    """Run ``n`` journeys of the mix through a real Scheduler until all finished;
+    ``api``: each request under an API-server span, whose ids it records."""
     (p_lo, p_hi), (o_lo, o_hi) = mix["prompt"], mix["out"]
     peak_blocks = running * ((p_hi + o_hi) // harness.BLOCK_SIZE + 1)
     blocks = int(peak_blocks * mix["kv"]) + 64 if mix["kv"] else peak_blocks * 2
@@ -88,7 +103,13 @@ def drive(mix: dict[str, Any], n: int, running: int, rng: random.Random) -> dict
         while added < n and len(s.requests) < running + running // 8:
             rid = f"cmpl-{rng.getrandbits(128):032x}-0-{rng.getrandbits(32):08x}"
             prompt = rng.choices(range(10, 1000), k=rng.randint(p_lo, p_hi))
-            e.add(rid, prompt=prompt, max_tokens=rng.randint(o_lo, o_hi))
+            headers = None
+            if api is not None:
+                ids = RootIds(rng.getrandbits(64), rng.getrandbits(64) | 1, rng.getrandbits(64) | 1)
+                api[rid] = ids
+                traceparent = f"00-{ids.trace_hi:016x}{ids.trace_lo:016x}-{ids.span_id:016x}-01"
+                headers = {"traceparent": traceparent, API_PARENT_KEY: "1"}
+            e.add(rid, prompt=prompt, max_tokens=rng.randint(o_lo, o_hi), trace_headers=headers)
             e.requests.pop(rid, None)  # the harness need not hold finished requests
             added += 1
         so = e.schedule()
@@ -135,14 +156,46 @@ def encode(spans: list[ReadableSpan], batch: int) -> dict[str, Any]:
     return {"per_span": per_span, "total": total, "gzip": gz, "link_bytes": link_bytes}
 
 
-def measure(name: str, n: int, running: int, seed: int, exp: InMemorySpanExporter) -> dict:
+def api_spans(roots: list[ReadableSpan], api: dict[str, RootIds], rng: random.Random) -> list:
+    """The API server's spans of each request whose engine root is in ``roots``:
+    times around the engine's (its receipt 1-3 ms before, its last byte 1-3 ms
+    after), half streamed; built with the API server's resource."""
+    builder = SpanBuilder(
+        make_resource({S.RES_MODEL: "tiny-llama", S.RES_PID: 4321}), span_limits()
+    )
+    out = []
+    for i, root in enumerate(roots):
+        rid = str((root.attributes or {})[S.REQUEST_ID])
+        start, end = root.start_time or 0, root.end_time or 0
+        stream = i % 2 == 0
+        rec = ApiJourney(
+            ids=api[rid], parent_headers=None, server_kind=True, head_sampled=True,
+            method="POST", path="/v1/chat/completions" if stream else "/v1/completions",
+            stream=stream, disconnected=False, status_code=200, exception=None,
+            request_ids=[rid], receipt_mono_ns=start - rng.randint(1, 3) * 10**6,
+            end_mono_ns=end + rng.randint(1, 3) * 10**6, responded=True,
+            arrival_time_s=start / 1e9, handoff_mono_ns=start + 200_000,
+            first_body_mono_ns=start + (end - start) // 4 if stream else end + 10**6,
+            last_output_mono_ns=end + 500_000, chunks=rng.randint(16, 256) if stream else 1,
+        )  # fmt: skip
+        out += builder.build(*plan_api(rec, 0))
+    return out
+
+
+def measure(
+    name: str, n: int, running: int, seed: int, exp: InMemorySpanExporter, with_api: bool
+) -> dict:
     mix = MIXES[name]
     hooks.install(Config(enabled=True, steps=bool(mix.get("steps"))), exporters=[exp], batch=False)
     exp.clear()
     t0 = time.perf_counter()
-    engine = drive(mix, n, running, random.Random(seed))
+    api: dict[str, RootIds] | None = {} if with_api else None
+    engine = drive(mix, n, running, random.Random(seed), api)
     assert handoff.flush(30.0)
     spans = list(exp.get_finished_spans())
+    if api is not None:  # the API server's exporter sends its own batches (its resource)
+        roots_ = [sp for sp in spans if sp.name == S.SPAN_REQUEST]
+        spans += api_spans(roots_, api, random.Random(seed + 1))
     drive_s = time.perf_counter() - t0
     steps = [sp for sp in spans if sp.name == S.SPAN_STEP]
     journey_spans = [sp for sp in spans if sp.name != S.SPAN_STEP]
@@ -150,6 +203,8 @@ def measure(name: str, n: int, running: int, seed: int, exp: InMemorySpanExporte
     for sp in journey_spans:
         by_trace[sp.context.trace_id].append(sp)
     roots = [sp for sp in journey_spans if sp.name == S.SPAN_REQUEST]
+    if api is not None:  # every engine root and its API request in one trace
+        assert len([sp for sp in journey_spans if sp.name == S.SPAN_API]) == n
     assert len(roots) == len(by_trace) == n, (len(roots), len(by_trace), n)
     big = Batching().max_batch
     enc = encode(spans, big)
@@ -173,6 +228,7 @@ def measure(name: str, n: int, running: int, seed: int, exp: InMemorySpanExporte
     # Everything the mix sent (step spans included), per journey.
     out: dict[str, Any] = {
         "mix": name,
+        "api_server_spans": with_api,
         "journeys": n,
         "engine": {**engine, "running": running, "drive_s": round(drive_s, 1)},
         "journeys_preempted": preempted,
@@ -238,12 +294,15 @@ def main() -> None:
     ap.add_argument("--running", type=int, default=64, help="max_num_seqs of each engine")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--mixes", default=",".join(MIXES))
+    ap.add_argument(
+        "--engine-only", action="store_true", help="without the API server's spans (API_SPANS=0)"
+    )
     args = ap.parse_args()
     exp = InMemorySpanExporter()
     results = []
     try:
         for name in args.mixes.split(","):
-            r = measure(name, args.journeys, args.running, args.seed, exp)
+            r = measure(name, args.journeys, args.running, args.seed, exp, not args.engine_only)
             print(json.dumps(r), flush=True)
             results.append(r)
     finally:
