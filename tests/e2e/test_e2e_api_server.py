@@ -300,3 +300,30 @@ def test_data_parallel_ranks_each_trace_the_requests_they_served(
         assert set(ranks) == {"0", "1"}, ranks
     finally:
         s.stop()
+
+
+def test_a_stop_string_is_answered_by_the_api_server_then_aborted_in_the_engine(
+    server, module_receiver
+) -> None:  # type: ignore[no-untyped-def]
+    """A real stop string (the tiny model's text is random; a common letter comes
+    within 64 tokens, and a fixed seed makes the request the same each run): the
+    API server's detokenizer finds it, answers (finish reason stop, fewer tokens
+    than asked) and aborts the engine request. As docs/spans.md says: the
+    engine's journey, a child of vllm.api.request, ends ``aborted`` with at
+    least the tokens the client got, and may end after its parent by the steps
+    the abort took to arrive; the API span itself is a success."""
+    tp, trace_id, span_id = new_traceparent()
+    resp = client(server).completions.create(
+        model=server.model, prompt="the scheduler", max_tokens=64, seed=1,
+        stop=["e", "a", "t", "o"], extra_headers={"traceparent": tp},
+    )  # fmt: skip
+    (choice,) = resp.choices
+    assert choice.finish_reason == "stop" and resp.usage.completion_tokens < 64, resp
+    tree = api_tree(module_receiver, trace_id)
+    assert tree.span.parent is not None and tree.span.parent.span_id == span_id
+    assert tree.attrs[S.HTTP_STATUS] == 200 and S.ERROR_TYPE not in tree.attrs
+    (engine,) = tree.kids(S.SPAN_REQUEST)
+    check_invariants(engine)
+    assert engine.attrs[S.FINISH_STATUS] == S.FINISH_ABORTED
+    assert int(engine.attrs[S.GEN_AI_OUTPUT_TOKENS]) >= resp.usage.completion_tokens  # type: ignore[call-overload]
+    assert tree.start <= engine.start and engine.end <= tree.end + 2 * 10**9
