@@ -109,7 +109,9 @@ def test_a_killed_exporter_is_replaced_and_journeys_flow_again(exporting, caplog
         assert roots[f"req-{i}"].attrs[S.TRACER_DROPPED_JOURNEYS] == 3  # type: ignore[attr-defined]
     err = caplog.text
     assert (
-        f"exporter process {old} is gone (0 left); a new one starts in {FIRST_DELAY_S:.1f} s" in err
+        f"exporter process {old} is gone (0 left); 0 journeys it had been sent were lost with "
+        f"it (counted in the next journeys' dropped_journeys); a new one starts in "
+        f"{FIRST_DELAY_S:.1f} s" in err
     )
     assert f"exporter process {new} started in place of a lost one; 3 journeys were" in err
 

@@ -290,6 +290,20 @@ def _in_flight(summary: Summary, span: FileSpan) -> None:
         )
 
 
+def _rank_lines(ranks: dict[str, Any] | None) -> list[str]:
+    """An engine journey's duration, by the rank of the engine core that served it."""
+    if not ranks:
+        return []
+    lines = ["", f"{'engine journey (ms) by data-parallel rank':<44}{'count':>8}{'p50':>10}"
+                 f"{'p99':>10}{'max':>10}"]  # fmt: skip
+    for rank, st in ranks.items():
+        lines.append(
+            f"  rank {rank or '(none)':<37}{st['count']:>8}{st['p50']:>10.2f}"
+            f"{st['p99']:>10.2f}{st['max']:>10.2f}"
+        )
+    return lines
+
+
 def format_text(d: dict[str, Any]) -> str:
     """A terminal table of :meth:`Summary.to_dict`."""
     lines = [
@@ -348,15 +362,7 @@ def format_text(d: dict[str, Any]) -> str:
         lines.append(
             f"remote KV loads: {kv['ms']['count']} reported done, {kv['failed']} of them failed"
         )
-    ranks = d.get("by_data_parallel_rank")
-    if ranks:  # an engine journey's duration, by the rank of the engine core that served it
-        lines += ["", f"{'engine journey (ms) by data-parallel rank':<44}{'count':>8}{'p50':>10}"
-                      f"{'p99':>10}{'max':>10}"]  # fmt: skip
-        for rank, st in ranks.items():
-            lines.append(
-                f"  rank {rank or '(none)':<37}{st['count']:>8}{st['p50']:>10.2f}"
-                f"{st['p99']:>10.2f}{st['max']:>10.2f}"
-            )
+    lines += _rank_lines(d.get("by_data_parallel_rank"))
     if d["slowest"]:
         lines += ["", "slowest requests:", f"  {'ms':>10}  {'preempt':>7}  trace_id  request_id"]
         for s in d["slowest"]:
