@@ -58,7 +58,8 @@ class Acks:
         """A new counter at 0 (None where the platform has no memfd)."""
         if not hasattr(os, "memfd_create"):
             return None
-        fd = os.memfd_create("vllm-journey-otel-acks", 0)
+        # Close-on-exec: only the exporter it is passed to (pass_fds) gets it.
+        fd = os.memfd_create("vllm-journey-otel-acks", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, cls._COUNT.size)
             return cls(fd)

@@ -176,12 +176,22 @@ def test_every_value_type_and_field_encodes_as_the_sdk_encodes_it() -> None:
 
 
 def test_a_value_otlp_cannot_carry_is_left_out_as_the_sdk_leaves_it_out() -> None:
-    same_as_sdk([_span("bad", {"ok": 1, "object": object(), "huge": 1 << 70, "after": "x"})])
+    bad = {"ok": 1, "object": object(), "huge": 1 << 70, 5: "key not a string", "after": "x"}
+    same_as_sdk([_span("bad", bad)])
+
+
+def test_scopes_of_one_name_with_other_attributes_are_encoded_each_time() -> None:
+    """A scope's hash leaves its attributes out: the encoder must not reuse one's."""
+    encoder = OtlpEncoder()
+    for n in range(3):
+        scope = InstrumentationScope("scope", "1", None, {"n": n})
+        same_as_sdk([_span("scoped", {"a": 1}, instrumentation_scope=scope)], encoder)
 
 
 def test_the_cache_tells_apart_values_python_calls_equal(monkeypatch: pytest.MonkeyPatch) -> None:
     """True == 1 == 1.0 in Python (one dict key); OTLP has a case for each."""
-    spans = [_span(str(v), {"v": v}) for v in (True, 1, 1.0, False, 0, 0.0, "1")]
+    values = (True, 1, 1.0, False, 0, 0.0, -0.0, "1", (1,), (True,), (1.0,), ("1",))
+    spans = [_span(repr(v), {"v": v}) for v in values]
     encoder = OtlpEncoder()
     same_as_sdk(spans, encoder)
     same_as_sdk(spans[::-1], encoder)

@@ -41,15 +41,18 @@ def dp_rank(parallel_config: Any) -> int:
 
 def _resource_attributes(owner: Any, engine: bool = True) -> dict[str, Any]:
     """The resource of ``owner.vllm_config``: a Scheduler's (``engine``), or an
-    API server's (an AsyncLLM, an app's state), which serves every
-    data-parallel rank and so names none."""
+    API server's (an AsyncLLM, an app's state), which under
+    ``--data-parallel-size`` > 1 serves every rank and so names none."""
     vc = owner.vllm_config
     model = getattr(vc.model_config, "served_model_name", None) or getattr(
         vc.model_config, "model", ""
     )
     if isinstance(model, list | tuple):
         model = model[0] if model else ""
-    rank = {S.RES_DP_RANK: dp_rank(vc.parallel_config)} if engine else {}
+    # An API server of a data-parallel serve sends to every rank; one serving a
+    # single engine (in its own process, or in this one) names its rank.
+    size = int(getattr(vc.parallel_config, "data_parallel_size", 1) or 1)
+    rank = {S.RES_DP_RANK: dp_rank(vc.parallel_config)} if engine or size <= 1 else {}
     return {
         S.RES_MODEL: str(model),
         **rank,

@@ -120,12 +120,13 @@ class PipeSink:
     def records_in_flight(self) -> int:
         """Records written whole to the exporters still connected and not yet
         accounted for by them (what a death now would lose; 0 without counters)."""
-        acks = self._acks
-        return sum(
-            sent - counter.read()
-            for fd, sent in self._records_sent.items()
-            if (counter := acks.get(fd)) is not None
-        )
+        with self._lock:  # not while a lost exporter's counter is being closed
+            acks = self._acks
+            return sum(
+                sent - counter.read()
+                for fd, sent in self._records_sent.items()
+                if (counter := acks.get(fd)) is not None
+            )
 
     @classmethod
     def start(
@@ -159,6 +160,9 @@ class PipeSink:
             for fd in fds:  # EOF: the ones already started exit
                 with contextlib.suppress(OSError):
                     os.close(fd)
+                counter = acks.get(fd)
+                if counter is not None:
+                    counter.close()
             raise
         sink = cls(fds, pids[0] if pids else None)
         sink.pids = pids

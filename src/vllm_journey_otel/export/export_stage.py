@@ -104,8 +104,7 @@ class ExportStage:
             return
         if not self.exporters:  # OTEL_TRACES_EXPORTER=none: recorded, not exported
             self._through += len(spans)  # and through: nothing more happens to them
-            if self.on_exported is not None:
-                self.on_exported(self._through)
+            self._tell_exported()
             return
         if self._thread is None or self._dead:
             self._export(spans)
@@ -195,8 +194,14 @@ class ExportStage:
                 else:
                     self.health.failed(len(batch), self.endpoint)
         self._through += len(batch)
+        self._tell_exported()
+
+    def _tell_exported(self) -> None:
         if self.on_exported is not None:
-            self.on_exported(self._through)
+            try:
+                self.on_exported(self._through)
+            except Exception:  # accounting must never stop the export
+                logger.debug("journey-otel: export accounting failed", exc_info=True)
 
     # -- any thread -------------------------------------------------------------
     def flush(self, timeout_s: float) -> bool:

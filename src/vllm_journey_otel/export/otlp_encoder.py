@@ -100,6 +100,20 @@ def _any_value(value: Any) -> bytes:
     raise TypeError(f"invalid attribute value type {type(value).__name__}")
 
 
+def _cache_key(tag: int, key: str, value: Any) -> tuple[tuple[Any, ...], bool]:
+    """The attribute's key in the cache, and whether to keep it there: Python
+    calls True, 1 and 1.0 equal, and 0.0 and -0.0, which OTLP tells apart, so
+    the key holds each value's type (each element's, in a tuple) and floats
+    (durations, mostly unique) are not kept."""
+    if isinstance(value, float):
+        return (), False
+    if isinstance(value, tuple):
+        if any(isinstance(v, float) for v in value):
+            return (), False
+        return (tag, key, value, tuple, *map(type, value)), True
+    return (tag, key, value, type(value)), True
+
+
 def _key_value(key: str, value: Any) -> bytes:
     return _string(0x0A, key) + _field(0x12, _any_value(value))
 
@@ -125,16 +139,17 @@ class OtlpEncoder:
         cache = self._attributes
         out = []
         for key, value in attributes.items():
-            hashed = (tag, key, value, type(value))
+            if not isinstance(key, str):  # the SDK's KeyValue refuses it: left out
+                continue
+            hashed, keep = _cache_key(tag, key, value)
             try:
-                encoded = cache.get(hashed)
-                keep = True
+                encoded = cache.get(hashed) if keep else None
             except TypeError:  # unhashable (a list): not kept
                 encoded, keep = None, False
             if encoded is None:
                 try:
                     encoded = _field(tag, _key_value(key, value))
-                except (TypeError, ValueError):
+                except Exception:  # as the SDK's encoder: that attribute is left out
                     continue
                 if keep:
                     if len(cache) >= _CACHE_LIMIT:
@@ -158,7 +173,10 @@ class OtlpEncoder:
             if scope is not None:
                 body = _string(0x0A, scope.name) + _string(0x12, scope.version or "")
                 body += b"".join(self._attrs(0x1A, scope.attributes))
-            encoded = self._scopes[scope] = _field(0x0A, body)  # ScopeSpans.scope
+            encoded = _field(0x0A, body)  # ScopeSpans.scope
+            # A scope's hash leaves its attributes out: one that has some is not kept.
+            if scope is None or not scope.attributes:
+                self._scopes[scope] = encoded
         return encoded
 
     def encode(self, spans: Sequence[ReadableSpan]) -> bytes:

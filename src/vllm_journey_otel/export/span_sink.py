@@ -169,6 +169,7 @@ class SpanSink:
                     self._marks.append(self._spans_added)
                 else:
                     self._records_unbuilt += 1
+                    self._ack()
             if len(built) >= ADD_SPANS:
                 health.spans_built += len(built)
                 self.stage.add(built, self._stop, deadline)

@@ -177,7 +177,7 @@ class Summary:
                 else None
             ),
             "by_data_parallel_rank": (
-                {rank: stats(v) for rank, v in sorted(self.by_rank_ms.items())}
+                {rank: stats(v) for rank, v in sorted(self.by_rank_ms.items(), key=_by_rank)}
                 if len(self.by_rank_ms) > 1
                 else None
             ),
@@ -288,6 +288,12 @@ def _in_flight(summary: Summary, span: FileSpan) -> None:
             str(a.get(S.IN_FLIGHT_STATE, "unknown")),
             None if reason is None else str(reason),
         )
+
+
+def _by_rank(item: tuple[str, Any]) -> tuple[int, str]:
+    """Ranks in numeric order (2 before 10), an unnamed one first."""
+    rank = item[0]
+    return (int(rank), "") if rank.isdigit() else (-1, rank)
 
 
 def _rank_lines(ranks: dict[str, Any] | None) -> list[str]:
