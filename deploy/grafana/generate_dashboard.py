@@ -328,17 +328,19 @@ def build() -> dict[str, Any]:
     b.add(quantiles_panel(S.SPAN_API_OUTPUT, "API output side (last output to last byte)"), 8, 8)
     api_cols = ", ".join(
         f"span.{k}"
-        for k in (S.API_TTFT_MS, S.API_E2E_MS, S.URL_PATH, S.HTTP_STATUS, S.API_STREAM,
-                  S.API_DISCONNECTED)
+        for k in (S.API_TTFT_MS, S.API_TTFB_MS, S.API_E2E_MS, S.URL_PATH, S.HTTP_STATUS,
+                  S.API_STREAM, S.API_DISCONNECTED)
     )  # fmt: skip
     b.add(
         {
             "type": "table",
             "title": "Slowest first tokens at the server",
             "description": f"`{S.SPAN_API}` spans (kept traces, newest 50) with the server's "
-            f"time to first token (`{S.API_TTFT_MS}`: receipt to the first response bytes) and "
+            f"time to first token (`{S.API_TTFT_MS}`: receipt to the engine's first token "
+            f"reaching the API server, any response), its time to first byte (`{S.API_TTFB_MS}`: "
+            "a stream's first chunk, a whole response's body, which is its end to end) and "
             "end to end. Compare with the engine's `vllm.journey.ttft_ms` in the trace: "
-            "the difference is the API server's input and output sides.",
+            "the difference is the API server's input side.",
             "datasource": TEMPO,
             "targets": [
                 traceql_search(f'{{name="{S.SPAN_API}" && {TQL_SEL}}} | select({api_cols})')

@@ -288,6 +288,11 @@ class ApiJourney(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=13)
     # request ended otherwise (a client gone, an error) and end_mono_ns is
     # when the app returned.
     responded: bool = True
+    # When the engine's first token reached this API server, epoch ns of its
+    # wall clock: vLLM's own stamp (its request stats' arrival_time plus
+    # first_token_latency), the earliest of the request's engine requests.
+    # None: no token came, or vLLM keeps no request stats (--disable-log-stats).
+    first_token_unix_ns: int | None = None
 
 
 # What the engine hands on to be exported.

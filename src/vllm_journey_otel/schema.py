@@ -140,6 +140,7 @@ TRACER_LOST_SPANS: Final = "vllm.journey.tracer.lost_spans"
 # API-server spans (vllm.api.*)
 # ---------------------------------------------------------------------------
 API_TTFT_MS: Final = "vllm.api.ttft_ms"
+API_TTFB_MS: Final = "vllm.api.ttfb_ms"
 API_E2E_MS: Final = "vllm.api.e2e_ms"
 API_STREAM: Final = "vllm.api.stream"
 API_DISCONNECTED: Final = "vllm.api.disconnected"
@@ -339,6 +340,13 @@ ATTRIBUTES: Final[tuple[AttributeSpec, ...]] = (
     AttributeSpec(NUM_SEGMENTS, (SPAN_REQUEST,), "int", "streaming input: input segments"),
     AttributeSpec(
         API_TTFT_MS,
+        _API,
+        "double",
+        "receipt to the engine's first token reaching the API server (vLLM's own "
+        "stamp; n>1: the earliest); absent without vLLM's request stats",
+    ),
+    AttributeSpec(
+        API_TTFB_MS,
         _API,
         "double",
         "receipt to the first response bytes after the hand-off to the engine "

@@ -18,6 +18,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from conftest import requires_vllm
 from vllm_journey_otel.config import Config
 from vllm_journey_otel.engine import api_server, hooks
 from vllm_journey_otel.engine.frontend import install_middleware
@@ -89,3 +90,18 @@ def test_event_loop_hands_on_every_record_the_burst_tail_by_its_timer(served) ->
     got = _records(r)
     assert sorted(j.request_ids[0] for j in got) == sorted(f"cmpl-{i}" for i in range(40))
     assert pipeline.published == 40 and pipeline.exported == 0 and pipeline.queued == 0
+
+
+@requires_vllm
+def test_the_first_token_is_vllms_stamp_the_earliest_of_the_engine_requests() -> None:
+    """Read from vLLM's own RequestStateStats: arrival plus first_token_latency
+    (its time_to_first_token); a request that got no token yet (0.0) counts not."""
+    from vllm.v1.metrics.stats import RequestStateStats
+
+    none_yet = RequestStateStats(arrival_time=1_700_000_000.5)
+    late = RequestStateStats(arrival_time=1_700_000_000.5, first_token_latency=0.25)
+    early = RequestStateStats(arrival_time=1_700_000_000.5, first_token_latency=0.125)
+    assert api_server.first_token_unix_ns([]) is None
+    assert api_server.first_token_unix_ns([none_yet]) is None
+    got = api_server.first_token_unix_ns([none_yet, late, early])
+    assert got == pytest.approx(1_700_000_000_625_000_000, abs=1_000)

@@ -52,12 +52,26 @@ def test_a_stream_has_both_sides_inside_the_root_and_the_servers_figures() -> No
     assert (inp.start_time, inp.end_time) == (root.start_time, root.start_time + 5 * MS)  # type: ignore[operator]
     assert (out.start_time, out.end_time) == (root.start_time + 48 * MS, root.end_time)  # type: ignore[operator]
     a = root.attributes
-    assert a[S.API_TTFT_MS] == 20.0 and a[S.API_E2E_MS] == 50.0 and a[S.API_STREAM] is True
+    assert a[S.API_TTFB_MS] == 20.0 and a[S.API_E2E_MS] == 50.0 and a[S.API_STREAM] is True
+    assert S.API_TTFT_MS not in a  # vLLM stamped no first token: missing, not zero
     assert a[S.API_REQUEST_IDS] == ("chatcmpl-1",) and S.ERROR_TYPE not in a
     assert inp.attributes[S.API_READ_MS] == 2.0 and inp.attributes[S.API_RENDER_MS] == 3.0
     assert out.attributes[S.API_CHUNKS] == 9
     for span in spans:
         assert set(span.attributes) <= S.attributes_of(span.name)
+
+
+def test_the_servers_first_token_and_first_byte_are_two_figures() -> None:
+    """TTFT from vLLM's first-token stamp (wall clock, taken as is), TTFB from
+    the first body after the hand-off: a whole response's first byte is its end."""
+    offset = 1_700_000_000 * 10**9
+    first_token = offset + 10 * MS + 7_250_000  # 7.25 ms after receipt
+    by_name, _ = build(
+        record(stream=False, first_body_mono_ns=60 * MS, first_token_unix_ns=first_token), offset
+    )
+    a = by_name[S.SPAN_API].attributes
+    assert a[S.API_TTFT_MS] == 7.25
+    assert a[S.API_TTFB_MS] == a[S.API_E2E_MS] == 50.0
 
 
 def test_under_another_http_server_span_ours_is_internal() -> None:
@@ -76,7 +90,7 @@ def test_turned_away_before_the_engine_is_an_error_with_the_input_side_only() ->
     assert root.status.status_code == StatusCode.ERROR and root.attributes[S.ERROR_TYPE] == "400"
     assert by_name[S.SPAN_API_INPUT].end_time == root.end_time
     # Missing is not zero: no first token, no read/render split without a hand-off.
-    assert S.API_TTFT_MS not in root.attributes and not by_name[S.SPAN_API_INPUT].attributes
+    assert S.API_TTFB_MS not in root.attributes and not by_name[S.SPAN_API_INPUT].attributes
 
 
 def test_a_4xx_after_the_engine_and_an_exception() -> None:

@@ -106,6 +106,7 @@ class ApiRequest:
         "done",
         "end_ns",
         "engine_headers",
+        "engine_stats",
         "exception",
         "first_body_ns",
         "handoff_ns",
@@ -146,6 +147,8 @@ class ApiRequest:
         if self.parent_headers and "tracestate" in self.parent_headers:
             self.engine_headers["tracestate"] = self.parent_headers["tracestate"]
         self.request_ids: list[str] = []
+        # vLLM's per-request stats objects (RequestStateStats), read at the end.
+        self.engine_stats: list[Any] = []
         self.arrival_time_s = 0.0
         self.handoff_ns: int | None = None
         self.first_body_ns: int | None = None
@@ -173,6 +176,13 @@ class ApiRequest:
         if not self.arrival_time_s:
             self.arrival_time_s = float(getattr(request, "arrival_time", 0.0) or 0.0)
         return True
+
+    def on_engine_state(self, state: Any) -> None:
+        """After OutputProcessor.add_request: its request state's stats (None
+        where vLLM keeps none), where vLLM stamps the first token's arrival."""
+        stats = getattr(state, "stats", None)
+        if stats is not None:
+            self.engine_stats.append(stats)
 
     def on_handoff(self) -> None:
         """AsyncLLM.add_request returned: the request went to the engine core."""
@@ -215,7 +225,23 @@ class ApiRequest:
             first_body_mono_ns=self.first_body_ns,
             last_output_mono_ns=self.last_output_ns,
             chunks=self.chunks,
+            first_token_unix_ns=first_token_unix_ns(self.engine_stats),
         )
+
+
+def first_token_unix_ns(engine_stats: list[Any]) -> int | None:
+    """When the engine's first token reached this process, epoch ns: vLLM's
+    stamp of it (``RequestStateStats.arrival_time + first_token_latency``, both
+    its wall clock, the figure of its own ``time_to_first_token``; fields as in
+    vLLM 0.30-0.33), the earliest over the request's engine requests. None:
+    no first token (0.0 is vLLM's "not yet")."""
+    best = 0.0
+    for stats in engine_stats:
+        latency = getattr(stats, "first_token_latency", 0.0)
+        arrival = getattr(stats, "arrival_time", 0.0)
+        if latency > 0.0 and arrival > 0.0 and (not best or arrival + latency < best):
+            best = arrival + latency
+    return int(best * 1e9) if best else None
 
 
 def on_last_output(request_id: str) -> None:

@@ -105,14 +105,21 @@ def _wrap_output_add_request(orig: Callable[..., Any]) -> Callable[..., Any]:
                 _OUTPUT_PROCESSORS.add(self)
         api = current()
         headers = _TRACE_HEADERS.get()
+        ours = False
         try:
             if api is not None and _STATE.enabled and api.on_engine_request(request):
-                pass
+                ours = True
             elif headers is not None and getattr(request, "trace_headers", None) is None:
                 request.trace_headers = headers
         except Exception:
             _fail("OutputProcessor.add_request")
-        return orig(self, request, *args, **kwargs)
+        result = orig(self, request, *args, **kwargs)
+        if ours and api is not None:
+            try:  # vLLM's request state, keyed by the request id (0.30-0.33)
+                api.on_engine_state(self.request_states.get(request.request_id))
+            except Exception:
+                _fail("OutputProcessor.add_request")
+        return result
 
     return add_request
 

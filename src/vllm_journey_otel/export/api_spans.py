@@ -4,7 +4,8 @@ Where spans are built (the exporter process's main thread, or the drain thread
 in thread mode). Clocks: the record's ``*_mono_ns`` are the API-server
 process's CLOCK_MONOTONIC, the system-wide clock the engine core stamps with
 too, so the same anchor's offset makes them epoch ns; vLLM's ``arrival_time_s``
-is wall clock, used as is.
+and the first token's ``first_token_unix_ns`` are wall clock, used as is
+(each difference is taken after the conversion to epoch ns).
 
 The tree: ``vllm.api.request`` (receipt to the last response byte) with
 ``vllm.api.input`` (receipt to the hand-off to the engine core) and
@@ -58,8 +59,10 @@ def _root_attributes(
         attrs[S.API_REQUEST_IDS] = tuple(rec.request_ids)
     if rec.status_code:
         attrs[S.HTTP_STATUS] = rec.status_code
-    if rec.first_body_mono_ns is not None:  # missing is not zero
-        attrs[S.API_TTFT_MS] = _ms(start, rec.first_body_mono_ns + offset_ns)
+    if rec.first_token_unix_ns is not None:  # missing is not zero
+        attrs[S.API_TTFT_MS] = _ms(start, rec.first_token_unix_ns)
+    if rec.first_body_mono_ns is not None:
+        attrs[S.API_TTFB_MS] = _ms(start, rec.first_body_mono_ns + offset_ns)
     if failed(rec):
         attrs[S.ERROR_TYPE] = rec.exception or str(rec.status_code)
     return attrs

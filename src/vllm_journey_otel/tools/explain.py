@@ -147,8 +147,11 @@ class Explanation:
     # The span the causes tile: vllm.api.request (what the user waited) where
     # the file has the API server's part, else the engine's vllm.request.
     outermost: str = S.SPAN_REQUEST
-    # vllm.api.ttft_ms: receipt to the first response bytes after the hand-off.
+    # vllm.api.ttft_ms: receipt to the engine's first token at the API server.
     server_ttft_ms: float | None = None
+    # vllm.api.ttfb_ms: receipt to the first response bytes after the hand-off
+    # (a stream's first chunk; a whole response's body).
+    server_ttfb_ms: float | None = None
     # Engine requests under the API request (n>1: the one that ended last is shown).
     engine_requests: int = 1
     # The API server's input and output sides as their spans say (they can
@@ -180,6 +183,7 @@ class Explanation:
             "trace_id": self.trace_id,
             "outermost": self.outermost,
             "server_ttft_ms": self.server_ttft_ms,
+            "server_ttfb_ms": self.server_ttfb_ms,
             "engine_requests": self.engine_requests,
             "api_input_ms": self.api_input_ms,
             "api_output_ms": self.api_output_ms,
@@ -238,6 +242,7 @@ class ApiSides(NamedTuple):
     start: int  # vllm.api.request: receipt
     end: int  # ... the last response byte
     ttft_ms: float | None  # vllm.api.ttft_ms
+    ttfb_ms: float | None  # vllm.api.ttfb_ms
     read_ms: float | None  # vllm.api.input's vllm.api.read_ms
     handoff: int | None  # vllm.api.input's end; None: no input side in the file
     output_start: int | None  # vllm.api.output's start; None: no output side
@@ -263,11 +268,13 @@ def api_sides_of(
     """The API server's part from its root span, the input side's end and
     ``vllm.api.read_ms`` (None: no input side), and the output side's start."""
     a = root.attributes
-    ttft, ids = a.get(S.API_TTFT_MS), tuple(str(i) for i in a.get(S.API_REQUEST_IDS) or ())
+    ttft, ttfb = a.get(S.API_TTFT_MS), a.get(S.API_TTFB_MS)
+    ids = tuple(str(i) for i in a.get(S.API_REQUEST_IDS) or ())
     handoff, read_ms = inp if inp is not None else (None, None)
     return ApiSides(
         root.span_id, root.trace_id, root.start_unix_ns, root.end_unix_ns,
-        None if ttft is None else float(ttft), None if read_ms is None else float(read_ms),
+        None if ttft is None else float(ttft), None if ttfb is None else float(ttfb),
+        None if read_ms is None else float(read_ms),
         handoff, output_start, ids, max(engines, len(ids)), S.API_E2E_MS in a,
     )  # fmt: skip
 
@@ -383,7 +390,7 @@ def explain(
     )
     if api is not None:
         e.outermost = S.SPAN_API
-        e.server_ttft_ms = api.ttft_ms
+        e.server_ttft_ms, e.server_ttfb_ms = api.ttft_ms, api.ttfb_ms
         e.engine_requests = api.engine_requests
         if api.handoff is not None:
             e.api_input_ms = _ms(max(api.handoff, t0) - t0)

@@ -160,8 +160,11 @@ def _edges(e: Explanation, totals: dict[str, float]) -> list[str]:
     after = sum(totals.get(c, 0.0) for c in (*API_AFTER, AFTER))
     parts = [f"{label(c)} {totals[c]:.1f}" for c in (*API_AFTER, AFTER) if c in totals]
     lines.append(f"  after the engine {after:.1f} ms: " + ("; ".join(parts) or NOT_OBSERVED))
-    ttft = e.server_ttft_ms
-    lines.append(f"  server TTFT {NOT_OBSERVED if ttft is None else f'{ttft:.1f} ms'}")
+    ttft, ttfb = e.server_ttft_ms, e.server_ttfb_ms
+    lines.append(
+        f"  server TTFT {NOT_OBSERVED if ttft is None else f'{ttft:.1f} ms'} (the first "
+        f"token at the API server); first byte {NOT_OBSERVED if ttfb is None else f'{ttfb:.1f} ms'}"
+    )
     if e.engine_after_response_ms is not None:
         lines.append(
             f"  the engine went on {e.engine_after_response_ms:.1f} ms after the last "

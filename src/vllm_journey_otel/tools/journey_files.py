@@ -97,7 +97,8 @@ class Journey(NamedTuple):
 
     @property
     def ttft_ms(self) -> float | None:
-        """Server TTFT: the API server's (receipt to first bytes), else the engine's."""
+        """Server TTFT: the API server's (receipt to the engine's first token
+        there), where the file has the API server's part; else the engine's."""
         if self.api is not None:
             return self.api.ttft_ms
         return self.engine.ttft_ms if self.engine else None
@@ -169,7 +170,7 @@ class JourneyIndex:
         self.journeys = _join(roots, apis, inputs, outputs)
 
 
-_API_KEYS = (S.API_TTFT_MS, S.API_REQUEST_IDS, S.API_E2E_MS)
+_API_KEYS = (S.API_TTFT_MS, S.API_TTFB_MS, S.API_REQUEST_IDS, S.API_E2E_MS)
 
 
 def _api_attributes(a: dict[str, Any]) -> dict[str, Any]:

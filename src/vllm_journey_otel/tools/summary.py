@@ -26,7 +26,7 @@ PERCENTILES = (50, 90, 95, 99)
 # The only spans whose attributes the summary reads.
 SUMMARY_ATTRIBUTES = frozenset({S.SPAN_REQUEST, S.SPAN_WAIT, S.SPAN_IN_FLIGHT, S.SPAN_API})
 # The API server's part (vllm.api.*): root attributes, and its two sides' durations.
-API_PHASES = (("api:ttft", S.API_TTFT_MS), ("api:e2e", S.API_E2E_MS))
+API_PHASES = (("api:ttft", S.API_TTFT_MS), ("api:ttfb", S.API_TTFB_MS), ("api:e2e", S.API_E2E_MS))
 API_SIDES = {S.SPAN_API_INPUT: "api:input", S.SPAN_API_OUTPUT: "api:output"}
 
 
@@ -323,7 +323,7 @@ def format_text(d: dict[str, Any]) -> str:
     rows = list(d["phases_ms"].items())
     api = d.get("api_server")
     if api:  # the API server's part: server-side TTFT and end to end, its two sides
-        rows += [(name, api["phases_ms"].get(name)) for name in ("api:ttft", "api:e2e")]
+        rows += [(name, api["phases_ms"].get(name)) for name, _ in API_PHASES]
         rows += [(name, api["phases_ms"].get(name)) for name in API_SIDES.values()]
     # Waits inside the queue, one row per reason seen (e.g. "wait:lora_slot").
     rows += [(f"wait:{reason}", stats) for reason, stats in d.get("waits_ms", {}).items()]
