@@ -165,7 +165,7 @@ def main() -> None:
         "process_on_minus_off_us": round(pmed["on"] - pmed["off"], 2),
         "process_off2_minus_off_us (A/A)": round(pmed["off-2"] - pmed["off"], 2),
         "records_handed_on": pipeline.published + pipeline.exported,
-        "records_dropped": pipeline.dropped,
+        "records_lost": pipeline.losses.by_reason(),
     }, indent=2))  # fmt: skip
     hooks.uninstall()
 

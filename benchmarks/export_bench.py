@@ -281,8 +281,7 @@ def main() -> None:
                 # Spans that did not arrive, lost at any stage (hand-off, pipe,
                 # the exporter's span queue, export): the rate counts only if 0.
                 "spans_lost": expected_spans - got,
-                "journeys_dropped_in_handoff": pipeline.dropped,
-                "journeys_failed_to_pipe": pipeline.failed,
+                "journeys_lost_in_handoff": pipeline.losses.by_reason(),
                 "exporters_exited": exporters_exited,
                 "cpu_s_drain_thread": round(drain_cpu.used, 2),
                 "cpu_s_rest_of_this_process": round(self_cpu - drain_cpu.used, 2),

@@ -77,7 +77,7 @@ def main() -> None:
         "preemptions": d.preemptions,
         "rss_mib_every_10k (finished, engine[, exporter])": samples,
         "awaiting_left": len(tracker.awaiting) if tracker else None,
-        "dropped": handoff.pipeline().dropped if handoff.pipeline() else None,
+        "lost": handoff.pipeline().losses.by_reason() if handoff.pipeline() else None,
     }))  # fmt: skip
     if traced:
         hooks.uninstall()

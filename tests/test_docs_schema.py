@@ -52,3 +52,20 @@ def test_enumerated_values_documented() -> None:
         *S.IN_FLIGHT_STATES,
     ):
         assert f"`{value}`" in DOC, value
+
+
+def test_every_loss_reason_documented_with_its_unit_and_where_it_shows() -> None:
+    """docs/reliability.md's table of losses is losses.Loss: every reason, no
+    other; the journey reasons that reach the roots are exactly CARRIED."""
+    from vllm_journey_otel.losses import CARRIED, Loss
+
+    doc = (Path(__file__).parent.parent / "docs" / "reliability.md").read_text()
+    section = doc.split("## What is lost, and why", 1)[1].split("\n## ", 1)[0]
+    rows = [
+        [c.strip() for c in line.strip().strip("|").split("|")]
+        for line in section.splitlines()
+        if line.startswith("| `")
+    ]
+    assert [row[0].strip("`") for row in rows] == [r.name.lower() for r in Loss]
+    on_roots = {row[0].strip("`") for row in rows if row[3] == "`dropped_journeys`"}
+    assert on_roots == {r.name.lower() for r in CARRIED}

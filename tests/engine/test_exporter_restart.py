@@ -92,7 +92,7 @@ def test_a_killed_exporter_is_replaced_and_journeys_flow_again(exporting, caplog
         for j in journeys(3, start=50):  # while none runs: dropped and counted
             pipeline.submit(j)
         pipeline.drain()
-        assert pipeline.failed == 3
+        assert pipeline.losses.by_reason() == {"no_exporter": 3}
         wait_until(lambda: not sink.broken and sink.exporters == 1, 30, 0.02, "a new exporter")
         new = sink.pids[-1]
         assert new != old and psutil.pid_exists(new)
@@ -155,7 +155,7 @@ def test_what_a_killed_exporter_held_is_counted_on_later_roots(exporting, caplog
         wait_until(lambda: sink.records_in_flight == 300, 30, 0.02, "300 journeys sent")
         os.kill(old, signal.SIGKILL)
         wait_until(lambda: sink.broken, 10, 0.002, "the loss noticed")
-        assert sink.lost_pending == 300
+        assert sink.losses.by_reason() == {"exporter_died": 300}
         proxy.set_mode(FORWARD)
         wait_until(lambda: not sink.broken and sink.exporters == 1, 30, 0.02, "a new exporter")
         for j in journeys(5, start=1000):
@@ -167,3 +167,8 @@ def test_what_a_killed_exporter_held_is_counted_on_later_roots(exporting, caplog
     for root in roots_of(receiver).values():
         assert root.attrs[S.TRACER_DROPPED_JOURNEYS] == 300  # type: ignore[attr-defined]
     assert f"exporter process {old} is gone (0 left); 300 journeys it had been sent" in caplog.text
+    # And once more, with the reason, in the process's account at its end.
+    assert (
+        "records lost in this process over its run: "
+        "300 lost with an exporter process that died holding them" in caplog.text
+    )

@@ -24,6 +24,7 @@ from vllm_journey_otel import schema as S
 from vllm_journey_otel.engine.exporter_launch import F_SETPIPE_SZ
 from vllm_journey_otel.engine.pipe_sink import PipeSink
 from vllm_journey_otel.export.spans import plan_spans
+from vllm_journey_otel.losses import Loss
 from vllm_journey_otel.wire import read_frames
 
 
@@ -71,7 +72,7 @@ def test_a_full_pipe_is_skipped_and_all_full_declines(pipes) -> None:  # type: i
     fcntl.fcntl(w2, F_SETPIPE_SZ, 4096)
     os.write(w2, b"\0" * 4096)
     assert not sink.offer(journeys(1, 9))
-    assert not sink.pending and sink.failed == 0
+    assert not sink.pending and sink.losses.carried == 0
 
 
 def test_partial_frame_is_finished_on_its_own_pipe(pipes) -> None:  # type: ignore[no-untyped-def]
@@ -114,7 +115,7 @@ def test_a_partial_frame_whose_exporter_dies_is_counted_and_its_fd_never_written
     os.close(r1)  # that exporter dies
     sink.maintain()  # the drain thread notices it (its pipe reports the reader gone)
     assert not sink.pending and sink.exporters == 1
-    assert sink.failed == 200 and sink.lost_pending == 200
+    assert sink.losses[Loss.EXPORTER_DIED] == sink.losses.carried == 200
     os.read(r2, 4096)  # the second exporter catches up
     assert sink.consume(journeys(1, 300)) == 0
     got = read_frames(io.BytesIO(os.read(r2, 1 << 20)))
@@ -129,15 +130,36 @@ def test_a_gone_exporter_is_left_out_then_none_is_broken(pipes) -> None:  # type
     os.close(r1)  # the first exporter died
     for k in range(3):
         assert sink.offer(journeys(1, k))
-    assert sink.exporters == 1 and not sink.broken and sink.failed == 0
+    assert sink.exporters == 1 and not sink.broken and sink.losses.carried == 0
     assert sink.consume(journeys(1, 3)) == 0
     os.close(r2)
     # The last one goes during the offer: declined, so the pipeline queues the
     # batch and its drain (consume) counts it as failed, once.
     assert not sink.offer(journeys(2, 4))
-    assert sink.broken and sink.failed == 0
+    assert sink.broken and sink.losses.carried == 0
     assert sink.consume(journeys(2, 4)) == 2
+    assert sink.losses.by_reason() == {"no_exporter": 2}
     assert not sink.offer(journeys(1, 7))
+
+
+def test_snapshots_lost_are_counted_as_snapshots_never_as_journeys(pipes) -> None:  # type: ignore[no-untyped-def]
+    """With no exporter left, a batch of journeys and in-flight snapshots is
+    lost: each counted under its own reason; only the journeys travel to the
+    roots' dropped_journeys."""
+    from vllm_journey_otel.journey import InFlight
+
+    (r1, w1), _ = pipes
+    sink = PipeSink(w1)
+    os.close(r1)
+    assert not sink.offer(journeys(1))  # the only exporter is gone: declined
+    finished = journeys(3)
+    snapshots = [InFlight(journey=j, seq=1, state=1, wait_reason=-1) for j in finished[:2]]
+    assert sink.consume([*snapshots, finished[2]]) == 3
+    assert sink.losses.by_reason() == {"no_exporter": 1, "snapshot": 2}
+    assert sink.losses.carried == 1
+    assert sink.losses.describe() == (
+        "1 no exporter process was running; 2 in-flight snapshots not handed on"
+    )
 
 
 def test_two_real_exporters_deliver_every_span(monkeypatch, capfd) -> None:  # type: ignore[no-untyped-def]
@@ -192,14 +214,16 @@ def test_an_exporter_gone_in_the_middle_of_a_frame(pipes) -> None:  # type: igno
     assert sink.pending
     os.close(r1)
     # The partial frame is lost (and counted); the new batch goes to the other one.
-    assert sink.consume(journeys(1, 500), engine_dropped=7) == 0
-    assert sink.failed == 200 and sink.exporters == 1 and not sink.pending
+    sink.losses.add(Loss.QUEUE_FULL, 7)  # and the queue had dropped 7 (one account)
+    assert sink.consume(journeys(1, 500)) == 0
+    assert sink.losses[Loss.EXPORTER_DIED] == 200 and sink.exporters == 1 and not sink.pending
     sink.shutdown(1)
     (frame,) = read_all(r2)
     assert ids([frame]) == ["req-500"]
     # The pipeline never heard of the 200 (offer had taken them): the next frame
-    # adds them to the engine's drop count it carries (to the roots' attribute).
+    # carries them with the queue's drops (to the roots' attribute).
     assert frame.engine_dropped == 7 + 200
+    assert sink.losses.by_reason() == {"queue_full": 7, "exporter_died": 200}
 
 
 def test_paced_reader_frames_split_anywhere_and_reads_spaced(pipes) -> None:  # type: ignore[no-untyped-def]
@@ -295,7 +319,7 @@ def test_drop_warning_names_the_lever_of_each_sink(caplog: pytest.LogCaptureFixt
             pipeline = JourneyPipeline(sink, max_queue=2, start_thread=False)
             for j in journeys(5):
                 pipeline.submit(j)
-            assert pipeline.dropped == 3 and pipeline.queued == 2
+            assert pipeline.losses[Loss.QUEUE_FULL] == 3 and pipeline.queued == 2
             with caplog.at_level(logging.WARNING, logger="vllm.journey_otel"):
                 pipeline._report_drops()
             messages = [m.getMessage() for m in caplog.records]
@@ -472,7 +496,9 @@ def test_drain_thread_is_a_backstop_in_action_and_survives_errors(pipes) -> None
         # the thread goes on and takes the next ones.
         for j in batch[40:50]:
             pipeline.submit(j)
-        wait_until(lambda: pipeline.failed == 10 or None, 5, 0.01, "the failed drain")
+        wait_until(
+            lambda: pipeline.losses[Loss.WRITE_FAILED] == 10 or None, 5, 0.01, "the failed drain"
+        )
         for j in batch[50:]:
             pipeline.submit(j)
         wait_until(lambda: pipeline.exported == 10 or None, 5, 0.01, "the next drain")
@@ -532,7 +558,9 @@ def test_sigterm_reads_every_frame_already_in_the_pipe(monkeypatch, capfd) -> No
         batch = journeys(300)
         for k in range(0, 300, 30):  # ten frames
             assert sink.consume(batch[k : k + 30]) == 0
-        time.sleep(0.3)  # it is building and waiting for room meanwhile
+        # It is at work (its first records accounted for: its signal handling
+        # is in place), building and waiting for room, most frames still to read.
+        wait_until(lambda: sink.records_in_flight < 300 or None, 60, 0.005, "the exporter at work")
         os.kill(sink.pid, signal.SIGTERM)
         _, alive = psutil.wait_procs([psutil.Process(sink.pid)], timeout=60)
         assert not alive
@@ -553,7 +581,7 @@ def test_a_batch_after_an_unfinished_frame_waits_behind_it(pipes) -> None:  # ty
     assert sink.offer(journeys(40))  # more than the pipe holds: the rest pending
     assert sink.pending
     assert sink.consume(journeys(10, start=40), 0, time.monotonic() + 0.05) == 0
-    assert sink.pending and sink.failed == 0
+    assert sink.pending and sink.losses.carried == 0
     got: list[str] = []
     reader = threading.Thread(target=lambda: got.extend(ids(read_all(r))))
     reader.start()

@@ -24,6 +24,7 @@ from otlp_receiver import Receiver
 from services import wait_until
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.engine import handoff
+from vllm_journey_otel.losses import Loss
 
 pytestmark = requires_vllm
 
@@ -92,7 +93,9 @@ def test_outage_is_counted_reported_once_and_recovered(
         exporter_pid = pipeline.sink.pid  # type: ignore[attr-defined]
         assert exporter_pid and psutil.pid_exists(exporter_pid)
         assert handoff.flush(5.0)
-        assert pipeline.dropped == 0, "the engine side never drops: the pipe took it all"
+        assert pipeline.losses[Loss.QUEUE_FULL] == 0, (
+            "the engine side never drops: the pipe took it all"
+        )
         time.sleep(2.5)  # let the exporter fail a few batches
 
         proxy.set_mode(FORWARD)
@@ -259,7 +262,9 @@ def test_exporter_stalled_engine_side_drops_counted_and_carried(  # type: ignore
                 now += 20_000_000
                 pipeline.publish_due(now)
             pipeline._report_drops()
-        assert pipeline.dropped > 0, "the 1 MiB pipe and 64-slot queue must overflow"
+        assert pipeline.losses[Loss.QUEUE_FULL] > 0, (
+            "the 1 MiB pipe and 64-slot queue must overflow"
+        )
         assert pipeline.queued <= 64
         drops = [r.getMessage() for r in caplog.records if "dropped so far" in r.getMessage()]
         assert drops, "a full queue is reported"
@@ -277,7 +282,7 @@ def test_exporter_stalled_engine_side_drops_counted_and_carried(  # type: ignore
         for s in read_spans([out])
         if s.name == S.SPAN_REQUEST
     }
-    dropped = pipeline.dropped
+    dropped = pipeline.losses[Loss.QUEUE_FULL]
     assert len([r for r in roots if str(r).startswith("stall-")]) == 20_000 - dropped
     for i in range(3):
         assert roots[f"later-{i}"][S.TRACER_DROPPED_JOURNEYS] == dropped

@@ -28,6 +28,7 @@ from vllm_journey_otel.config import EXPORTER_PROCESSES, QUEUE_SIZE
 from vllm_journey_otel.engine.exporter_launch import Restarts, launch, placement_roots
 from vllm_journey_otel.journey import Record
 from vllm_journey_otel.log import logger
+from vllm_journey_otel.losses import Loss, LossAccount
 from vllm_journey_otel.wire import ENCODER, FRAME_HEADER, Acks, Frame
 
 # The drain thread's maintain() waits at most this long for the sink's lock.
@@ -85,7 +86,9 @@ class PipeSink:
         # The first exporter's pid; ``pids`` has all of them (set by ``start``).
         self.pid = pid
         self.pids: list[int] = [] if pid is None else [pid]
-        self.failed = 0
+        # This process's loss account (the pipeline adopts it): every record
+        # this sink loses is counted there, with its reason.
+        self.losses = LossAccount()
         self.broken = not self._fds
         self._lock = threading.Lock()
         self._sent = dict.fromkeys(self._fds, 0)  # bytes written to each pipe
@@ -94,11 +97,6 @@ class PipeSink:
         self._pending = b""
         self._pending_fd = -1
         self._pending_journeys = 0
-        # Journeys lost after an offer took them (the pipeline never hears of
-        # them): with a partial frame whose exporter went away, and what a dead
-        # exporter had been sent but not accounted for (its ``wire.Acks``). The
-        # next frames add them to the engine's drop count they carry.
-        self.lost_pending = 0
         # Per pipe: records in the frames written whole to it, and its exporter's
         # count of those it accounted for (None: no memfd on this platform).
         self._records_sent: dict[int, int] = dict.fromkeys(self._fds, 0)
@@ -108,7 +106,9 @@ class PipeSink:
         self.wanted = len(self._fds)
         self._pid_of: dict[int, int | None] = dict(zip(self._fds, self.pids, strict=False))
         self.restarts = Restarts()
-        self.dropped_down = 0  # journeys refused since the last exporter went away
+        # NO_EXPORTER's count when the last exporter went away (the log of
+        # its replacement says how many were dropped while none ran).
+        self._down_from = 0
         self._closing = False
 
     @property
@@ -193,14 +193,13 @@ class PipeSink:
             # The rest of a frame whose start went there is lost with it; its
             # number must never be written to again (it may be reused).
             _, journeys, _ = self._take_pending()
-            self.lost_pending += journeys
-            self.failed += journeys
+            self.losses.add(Loss.EXPORTER_DIED, journeys)
         held = self._undelivered(fd)
         with contextlib.suppress(OSError):
             os.close(fd)
         if not self._fds:
             self.broken = True
-            self.dropped_down = 0
+            self._down_from = self.losses[Loss.NO_EXPORTER]
         if self._recipe is None or self._closing:
             then = "journeys are dropped from now on" if self.broken else "the others go on"
         else:
@@ -221,15 +220,15 @@ class PipeSink:
 
     def _undelivered(self, fd: int) -> int | None:
         """What the exporter behind ``fd`` (gone) had been sent in whole frames and
-        not accounted for, added to the count the next frames carry; None where
-        it had no counter."""
+        not accounted for, counted as lost with it (the next frames carry it);
+        None where it had no counter."""
         sent = self._records_sent.pop(fd, 0)
         acks = self._acks.pop(fd, None)
         if acks is None:
             return None
         held = max(0, sent - acks.read())
         acks.close()
-        self.lost_pending += held
+        self.losses.add(Loss.EXPORTER_DIED, held)
         return held
 
     def maintain(self) -> None:
@@ -283,7 +282,10 @@ class PipeSink:
         logger.warning(
             "journey-otel: exporter process %s started in place of a lost one%s",
             pid if pid is not None else "?",
-            f"; {self.dropped_down} journeys were dropped while none ran" if was_broken else "",
+            f"; {self.losses[Loss.NO_EXPORTER] - self._down_from} journeys were dropped "
+            "while none ran"
+            if was_broken
+            else "",
         )
 
     takes_offers = True
@@ -312,12 +314,14 @@ class PipeSink:
         )
 
     def offer(self, batch: Sequence[Record], engine_dropped: int = 0) -> bool:
+        # Each frame carries this process's ``losses.carried``, the pipeline's
+        # ``engine_dropped`` too (one account): the argument is not needed here.
         if self.broken or not batch or not self._lock.acquire(blocking=False):
             return False
         try:
             if self._pending:
                 return False  # the drain thread finishes the partial frame first
-            data = self._frame(batch, engine_dropped + self.lost_pending)
+            data = self._frame(batch, self.losses.carried)
             for fd in self._rotation():
                 try:
                     n = os.write(fd, data)
@@ -334,7 +338,7 @@ class PipeSink:
                     self._records_sent[fd] += len(batch)
                 return True
             # Declined: every pipe is full, or the last exporter just went away
-            # (then the drain thread's consume counts the batch as failed, once).
+            # (then the drain thread's consume counts the batch as lost, once).
             return False
         finally:
             self._lock.release()
@@ -345,16 +349,14 @@ class PipeSink:
         """Write one frame: the rest of a partial one to its ``fd``, a new one (-1)
         to the first exporter with room. Blocks until done or ``deadline``; False
         at the deadline (what is left becomes pending). Raises :class:`FrameLost`
-        (its journeys counted in ``failed``) when the exporter that has the start
-        of the frame is gone, or none is left.
+        (the caller counts its records) when the exporter that has the start of
+        the frame is gone, or none is left.
         """
         view = memoryview(data)
         while view:
             if not self._fds:
-                self.failed += journeys
                 raise FrameLost("no exporter process left")
             if fd >= 0 and fd not in self._fds:  # its exporter went away meanwhile
-                self.failed += journeys
                 raise FrameLost("the exporter of a partial frame is gone")
             targets = [fd] if fd >= 0 else self._rotation()
             for target in targets:
@@ -365,7 +367,6 @@ class PipeSink:
                 except OSError as exc:
                     self._lost_exporter(target)
                     if fd >= 0:  # the frame's start went there: it is lost with it
-                        self.failed += journeys
                         raise FrameLost("the exporter went away in the middle of a frame") from exc
                     continue
                 self._sent[target] += n
@@ -393,31 +394,31 @@ class PipeSink:
         self, batch: Sequence[Record], engine_dropped: int = 0, deadline: float | None = None
     ) -> int:
         if self.broken:
-            self.dropped_down += len(batch)
-            return len(batch)
+            return self.losses.lose(Loss.NO_EXPORTER, batch)
         with self._lock:
             if self._pending:
                 data, journeys, fd = self._take_pending()
                 try:
                     done = self._write_frame(data, journeys, fd, deadline)
                 except FrameLost:
-                    self.lost_pending += journeys  # also in ``failed``
+                    self.losses.add(Loss.EXPORTER_DIED, journeys)
                     done = True
                 if not done:
                     # Still pending at the deadline (the engine thread's offer
                     # left it after drain() looked): the new frame goes after it,
                     # to the same exporter, with the next write. Nothing is lost.
                     if batch:
-                        frame = self._frame(batch, engine_dropped + self.lost_pending)
+                        frame = self._frame(batch, self.losses.carried)
                         self._pending += frame
                         self._pending_journeys += len(batch)
                     return 0
             if batch:
-                frame = self._frame(batch, engine_dropped + self.lost_pending)
+                frame = self._frame(batch, self.losses.carried)
                 try:
                     self._write_frame(frame, len(batch), deadline=deadline)
                 except FrameLost:
-                    return len(batch)
+                    reason = Loss.WRITE_FAILED if self._fds else Loss.NO_EXPORTER
+                    return self.losses.lose(reason, batch)
         return 0
 
     def flush(self, timeout_s: float) -> bool:
@@ -435,7 +436,7 @@ class PipeSink:
                 try:
                     return self._write_frame(data, journeys, fd, deadline)
                 except FrameLost:
-                    self.lost_pending += journeys
+                    self.losses.add(Loss.EXPORTER_DIED, journeys)
                     return False
         finally:
             self._lock.release()

@@ -40,14 +40,20 @@ from vllm_journey_otel.config import Config
 from vllm_journey_otel.cpu_yield import lower_priority
 from vllm_journey_otel.journey import Record
 from vllm_journey_otel.log import logger
+from vllm_journey_otel.losses import Loss, LossAccount
 
 
 class Sink(Protocol):
     """Receives batches of finished journeys from the pipeline.
 
-    ``engine_dropped`` is the pipeline's count of journeys dropped so far; it
-    ends up on the roots as the tracer-health attribute.
+    ``losses`` is this process's loss account (``losses.py``): the pipeline
+    adopts the sink's; the sink counts there whatever it loses, with the
+    reason. ``engine_dropped`` is the engine side's count of journeys lost so
+    far (``LossAccount.carried``); it ends up on the roots as the tracer-health
+    attribute.
     """
+
+    losses: LossAccount
 
     def offer(self, batch: Sequence[Record], engine_dropped: int = 0) -> bool:
         """The owner's thread: take the batch now if that cannot block; False = queue it."""
@@ -68,7 +74,8 @@ class Sink(Protocol):
     def consume(
         self, batch: Sequence[Record], engine_dropped: int = 0, deadline: float | None = None
     ) -> int:
-        """Handle a batch; returns how many journeys failed. ``deadline``
+        """Handle a batch; returns how many records it lost (counted in
+        ``losses`` with their reason). ``deadline``
         (``time.monotonic()``): stop waiting for the receiving end then; what is
         not taken stays pending (None: wait as long as it takes)."""
 
@@ -138,9 +145,9 @@ class JourneyPipeline:
         self._stop = False
         # Set by the owner when it needs the drain thread (or by shutdown).
         self._wake = threading.Event()
-        # Counters. ``dropped`` is written by the owner only; the others by
-        # whichever thread holds the drain lock. ``_declined`` is set by the
-        # owner and cleared by either (publish_due, drain).
+        # Counters: ``published`` by the owner, ``exported`` by whichever thread
+        # holds the drain lock (the loss account says who writes what).
+        # ``_declined`` is set by the owner and cleared by either (publish_due, drain).
         self._last_publish_ns = 0
         # Written by the owner in publish_due, read by the drain thread
         # (engine monotonic clock): the engine's last call, and whether its last
@@ -150,16 +157,14 @@ class JourneyPipeline:
         # drain thread does all the work, the engine thread none.
         self._offers = sink.takes_offers
         self._declined = not self._offers
-        self.dropped = 0
+        # This process's losses, by reason: the sink's account, one for both.
+        self.losses = sink.losses
         self.published = 0
         self.exported = 0
-        self.failed = 0
         self._dropped_logged = 0
         self._last_drop_log = -_DROP_LOG_PERIOD_S  # the first drop is reported at once
-        # Drain thread: sources of records it hands on itself (in-flight
-        # snapshots); and how many of those the sink could not take.
+        # Drain thread: sources of records it hands on itself (in-flight snapshots).
         self._watchers: list[Callable[[int, int], Sequence[Record]]] = []
-        self.watch_dropped = 0
         self._thread: threading.Thread | None = None
         if start_thread:
             self._thread = threading.Thread(target=self._run, name="vllm-journey-otel", daemon=True)
@@ -169,7 +174,7 @@ class JourneyPipeline:
     def submit(self, journey: Record) -> None:
         """Queue a finished journey (the owner). O(1), never blocks, never raises."""
         if len(self._queue) >= self._max_queue:
-            self.dropped += 1
+            self.losses.add(Loss.QUEUE_FULL)
             return
         self._queue.append(journey)
 
@@ -206,7 +211,7 @@ class JourneyPipeline:
             pass  # empty (the drain thread may have taken some: fine, each goes once)
         if not batch:
             return
-        if self.sink.offer(batch, self.dropped + self.failed):
+        if self.sink.offer(batch, self.losses.carried):
             self.published += len(batch)
             self._declined = False
             if self.sink.pending:  # the rest of the frame is the drain thread's
@@ -272,15 +277,13 @@ class JourneyPipeline:
         if not records:
             return
         with self._drain_lock:
-            lost = self.sink.consume(
-                records, self.dropped + self.failed, time.monotonic() + DRAIN_WRITE_S
-            )
-        if lost:
-            self.watch_dropped += lost
-            if self.watch_dropped == lost or self.watch_dropped % 1000 < lost:
+            lost = self.sink.consume(records, self.losses.carried, time.monotonic() + DRAIN_WRITE_S)
+        if lost:  # the sink counted them (as snapshots)
+            total = self.losses[Loss.SNAPSHOT]
+            if total == lost or total % 1000 < lost:
                 logger.warning(
                     "journey-otel: %d in-flight snapshots could not be handed on so far; %s",
-                    self.watch_dropped,
+                    total,
                     self.sink.drop_advice,
                 )
 
@@ -335,19 +338,18 @@ class JourneyPipeline:
             n = len(batch)
             if n or self.sink.pending:
                 try:
-                    failed = self.sink.consume(batch, self.dropped + self.failed, deadline)
+                    lost = self.sink.consume(batch, self.losses.carried, deadline)
                 except Exception:
-                    self.failed += n  # lost with the error: counted, never silent
+                    self.losses.lose(Loss.WRITE_FAILED, batch)  # counted, never silent
                     raise
-                self.failed += failed
-                self.exported += n - failed
+                self.exported += n - lost
             self._report_drops()
         finally:
             self._drain_lock.release()
         return n
 
     def _report_drops(self) -> None:
-        dropped = self.dropped
+        dropped = self.losses[Loss.QUEUE_FULL]
         now = time.monotonic()
         if dropped > self._dropped_logged and now - self._last_drop_log >= _DROP_LOG_PERIOD_S:
             logger.warning(
@@ -379,6 +381,9 @@ class JourneyPipeline:
         deadline = time.monotonic() + max(0.0, timeout_s)
         self.drain(deadline)
         self.sink.shutdown(max(0.0, deadline - time.monotonic()))
+        lost = self.losses.describe()
+        if lost:  # one line for the operator: what this process lost, and why
+            logger.warning("journey-otel: records lost in this process over its run: %s", lost)
         return not self._queue
 
     @property

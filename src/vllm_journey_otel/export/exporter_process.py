@@ -42,6 +42,7 @@ from vllm_journey_otel.export.cpu_placement import ExporterPlacement
 from vllm_journey_otel.export.health import ExportHealth, SdkLogQuieter
 from vllm_journey_otel.export.span_sink import SpanSink
 from vllm_journey_otel.log import logger
+from vllm_journey_otel.losses import Loss
 from vllm_journey_otel.wire import READ_PACE_S, Acks, FrameReader
 
 # The exporter is not bound by vLLM's kill deadline; give the final export time.
@@ -139,10 +140,16 @@ def main(argv: list[str]) -> int:
     finally:
         sink.shutdown(max(config.shutdown_timeout_s, MIN_FINAL_FLUSH_S))
         health.settle()
-        lost = health.lost_spans + health.engine_dropped
+        unbuilt = sink.losses.describe()  # journeys this process could not build spans for
+        lost = health.lost_spans + health.engine_dropped + sink.losses[Loss.UNBUILT]
         # One line for the operator: what this run delivered and what it lost.
         level = logging.WARNING if lost else logging.INFO if health.journeys else logging.DEBUG
-        logger.log(level, "journey-otel exporter: %s", health.summary())
+        logger.log(
+            level,
+            "journey-otel exporter: %s%s",
+            health.summary(),
+            f"; {unbuilt}" if unbuilt else "",
+        )
         if sink.stage.waited_s >= 1.0:
             # Export was the bottleneck: the pipe and the engine side's queue took the excess.
             logger.info(

@@ -43,6 +43,7 @@ from vllm_journey_otel.export.span_builder import SpanBuilder
 from vllm_journey_otel.export.spans import ROOT, plan_spans, plan_step, root_context
 from vllm_journey_otel.journey import ApiJourney, InFlight, Record, StepRecord
 from vllm_journey_otel.log import logger
+from vllm_journey_otel.losses import Loss, LossAccount
 from vllm_journey_otel.wire import Acks
 
 
@@ -61,7 +62,8 @@ class SpanSink:
         self.health = stage.health
         self._clock = clock or ClockAnchor()
         self._stop = stop
-        self.failed = 0
+        # This process's loss account (in thread mode the pipeline adopts it).
+        self.losses = LossAccount()
         # Set: the stage takes Span fields encoded here (otlp_exporters.py), not ReadableSpans.
         self.encoder: OtlpEncoder | None = None
         # The records accounted for (wire.Acks, exporter process only): those
@@ -156,7 +158,7 @@ class SpanSink:
                 self._records_unbuilt += 1
                 self._ack()
                 failed += 1
-                if self.failed + failed == 1:
+                if self.losses[Loss.UNBUILT] + failed == 1:
                     logger.warning(
                         "journey-otel: could not build spans for a journey; "
                         "later failures are counted silently",
@@ -176,7 +178,7 @@ class SpanSink:
                 built = []
         health.spans_built += len(built)
         self.stage.add(built, self._stop, deadline)
-        self.failed += failed
+        self.losses.add(Loss.UNBUILT, failed)
         return failed
 
     def _through(self, spans_through: int) -> None:
