@@ -22,26 +22,9 @@ VJO_EXPECT_VLLM=0.32.0 python -m pytest -q -p no:cacheprovider "$@"
 # tests/conftest.py: a real Scheduler, the plugin in vLLM, the self-check); the
 # rest (tools, deploy kit, packaging, pipeline) does not import vLLM and ran
 # above. Their compiled parts are absent here, so `vllm serve` (the e2e tests)
-# runs on 0.32 only; each release's scheduler runs for real. The three runs go
-# at once (no server, no fixed port; each its own log, printed whole in turn):
-# a failure of any fails the command.
-VERSIONS=(0.30.0 0.31.0 0.33.0)
-LOGS=$(mktemp -d)
-PIDS=()
-for VERSION in "${VERSIONS[@]}"; do
+# runs on 0.32 only; each release's scheduler runs for real.
+for VERSION in 0.30.0 0.31.0 0.33.0; do
+  echo "== pytest, vLLM $VERSION (sources on PYTHONPATH; the tests that need vLLM, not e2e)"
   VJO_EXPECT_VLLM=$VERSION VLLM_TARGET_DEVICE=cpu PYTHONPATH="$PWD/.cache/vllm-$VERSION" \
-    python -m pytest -q -p no:cacheprovider -m "vllm and not e2e" "$@" \
-    > "$LOGS/$VERSION.log" 2>&1 &
-  PIDS+=($!)
+    python -m pytest -q -p no:cacheprovider -m "vllm and not e2e" "$@"
 done
-FAILED=()
-for i in "${!VERSIONS[@]}"; do
-  wait "${PIDS[$i]}" || FAILED+=("${VERSIONS[$i]}")
-  echo "== pytest, vLLM ${VERSIONS[$i]} (sources on PYTHONPATH; the tests that need vLLM, not e2e)"
-  cat "$LOGS/${VERSIONS[$i]}.log"
-done
-rm -rf "$LOGS"
-if [ ${#FAILED[@]} -gt 0 ]; then
-  echo "FAILED against vLLM ${FAILED[*]}" >&2
-  exit 1
-fi
