@@ -26,8 +26,6 @@ from vllm_journey_otel import schema as S
 from vllm_journey_otel.engine import handoff
 from vllm_journey_otel.losses import Loss
 
-pytestmark = requires_vllm
-
 SUMMARY = re.compile(
     r"(\d+) journeys received, (\d+) spans built, (\d+) exported, (\d+) failed to export, "
     r"(\d+) left unexported at exit, (\d+) journeys dropped in the engine core, "
@@ -64,6 +62,7 @@ def _roots(receiver: Receiver, prefix: str) -> list[dict[str, object]]:
     ]
 
 
+@requires_vllm
 def test_outage_is_counted_reported_once_and_recovered(
     monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], receiver: Receiver
 ) -> None:
@@ -174,6 +173,7 @@ def _self_signed(tmp: Path) -> tuple[Path, Path]:
     return cert_file, key_file
 
 
+@requires_vllm
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
 def test_tls_and_auth_headers_through_the_standard_variables(  # type: ignore[no-untyped-def]
     monkeypatch, tmp_path, protocol: str
