@@ -176,8 +176,10 @@ def test_pip_resolves_the_wheels_dependencies_together_with_vllms(
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert resolve.returncode == 0, resolve.stderr[-3000:]
+    from packaging.utils import canonicalize_name
+
     chosen = {
-        item["metadata"]["name"].lower().replace("_", "-"): item["metadata"]["version"]
+        canonicalize_name(item["metadata"]["name"]): item["metadata"]["version"]
         for item in json.loads(report.read_text())["install"]
     }
     assert chosen["vllm-journey-otel"] and chosen[vllm_dist] == m.version(vllm_dist)
@@ -185,7 +187,7 @@ def test_pip_resolves_the_wheels_dependencies_together_with_vllms(
     plain = [r for r in ours if r.marker is None]  # the extras' are not installed here
     assert len(plain) >= 5, ours
     for req in plain:
-        name = req.name.lower().replace("_", "-")
+        name = canonicalize_name(req.name)
         assert name in chosen, f"{req} was not resolved"
         assert req.specifier.contains(chosen[name], prereleases=True), (str(req), chosen[name])
 

@@ -340,7 +340,8 @@ def build() -> dict[str, Any]:
             f"reaching the API server, any response), its time to first byte (`{S.API_TTFB_MS}`: "
             "a stream's first chunk, a whole response's body, which is its end to end) and "
             "end to end. Compare with the engine's `vllm.journey.ttft_ms` in the trace: "
-            "the difference is the API server's input side.",
+            "the difference is the API server's input side and the output's way "
+            "from the engine core to the API server.",
             "datasource": TEMPO,
             "targets": [
                 traceql_search(f'{{name="{S.SPAN_API}" && {TQL_SEL}}} | select({api_cols})')

@@ -10,11 +10,13 @@ An addition is an int add under the GIL; a reader may see a count a moment
 old, which a health report tolerates. No clock.
 
 Units: records handed on, a finished journey each (engine and API server),
-except ``SNAPSHOT``: in-flight snapshots, which are not journeys and never
-count in ``vllm.journey.tracer.dropped_journeys``. The reasons in ``CARRIED``
-are the journeys the engine side lost before an exporter accounted for them:
-their sum travels with every frame to the exporter, which puts it on the roots
-it exports (``dropped_journeys``). What an exporter then fails to send is
+except ``SNAPSHOT``: in-flight snapshots, which are not journeys and do not
+count in ``vllm.journey.tracer.dropped_journeys``; the one exception is
+``EXPORTER_DIED``, which counts the records of frames an exporter died
+holding, snapshots among them (the frames' counts do not tell them apart).
+The reasons in ``CARRIED`` are what the engine side lost before an exporter
+accounted for it: their sum travels with every frame to the exporter, which
+puts it on the roots it exports (``dropped_journeys``). What an exporter then fails to send is
 counted in spans by its health (``export/health.py``: ``lost_spans``).
 """
 

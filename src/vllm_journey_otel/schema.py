@@ -342,8 +342,9 @@ ATTRIBUTES: Final[tuple[AttributeSpec, ...]] = (
         API_TTFT_MS,
         _API,
         "double",
-        "receipt to the engine's first token reaching the API server (vLLM's own "
-        "stamp; n>1: the earliest); absent without vLLM's request stats",
+        "receipt to the engine's first token reaching the API server: the read "
+        "before vLLM's arrival stamp plus vLLM's own TTFT (n>1: the earliest); "
+        "absent without vLLM's request stats",
     ),
     AttributeSpec(
         API_TTFB_MS,

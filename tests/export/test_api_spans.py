@@ -5,6 +5,7 @@ drives the real thing under `vllm serve`."""
 
 from __future__ import annotations
 
+import pytest
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits
 from opentelemetry.trace import SpanKind, StatusCode
@@ -62,16 +63,24 @@ def test_a_stream_has_both_sides_inside_the_root_and_the_servers_figures() -> No
 
 
 def test_the_servers_first_token_and_first_byte_are_two_figures() -> None:
-    """TTFT from vLLM's first-token stamp (wall clock, taken as is), TTFB from
-    the first body after the hand-off: a whole response's first byte is its end."""
+    """TTFT: the read before vLLM's arrival stamp plus vLLM's own TTFT (its two
+    wall-clock stamps); TTFB from the first body after the hand-off: a whole
+    response's first byte is its end. A wall-clock step (an arrival stamp far
+    outside the input side) leaves the TTFT out rather than wrong."""
     offset = 1_700_000_000 * 10**9
-    first_token = offset + 10 * MS + 7_250_000  # 7.25 ms after receipt
-    by_name, _ = build(
-        record(stream=False, first_body_mono_ns=60 * MS, first_token_unix_ns=first_token), offset
-    )
+    arrival = offset + 12 * MS  # 2 ms after receipt (10 ms)
+    rec = record(
+        stream=False, first_body_mono_ns=60 * MS, arrival_time_s=arrival / 1e9,
+        first_token_unix_ns=arrival + 5_250_000,
+    )  # fmt: skip
+    by_name, _ = build(rec, offset)
     a = by_name[S.SPAN_API].attributes
-    assert a[S.API_TTFT_MS] == 7.25
+    assert a[S.API_TTFT_MS] == pytest.approx(7.25)
+    assert by_name[S.SPAN_API_INPUT].attributes[S.API_READ_MS] == pytest.approx(2.0)
     assert a[S.API_TTFB_MS] == a[S.API_E2E_MS] == 50.0
+    stepped, _ = build(rec, offset + 10_000 * MS)  # the wall clock 10 s off
+    assert S.API_TTFT_MS not in stepped[S.SPAN_API].attributes
+    assert S.API_READ_MS not in stepped[S.SPAN_API_INPUT].attributes
 
 
 def test_under_another_http_server_span_ours_is_internal() -> None:

@@ -115,10 +115,12 @@ def _wrap_output_add_request(orig: Callable[..., Any]) -> Callable[..., Any]:
             _fail("OutputProcessor.add_request")
         result = orig(self, request, *args, **kwargs)
         if ours and api is not None:
-            try:  # vLLM's request state, keyed by the request id (0.30-0.33)
-                api.on_engine_state(self.request_states.get(request.request_id))
-            except Exception:
-                _fail("OutputProcessor.add_request")
+            # vLLM's request state, keyed by the request id (``request_states``,
+            # 0.30-0.33): an optional figure, so a vLLM without it costs the
+            # TTFT only, never the tracing.
+            states = getattr(self, "request_states", None)
+            if isinstance(states, dict):
+                api.on_engine_state(states.get(request.request_id))
         return result
 
     return add_request

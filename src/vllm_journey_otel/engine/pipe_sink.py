@@ -36,7 +36,8 @@ DRAIN_LOCK_S = 0.2
 
 
 class FrameLost(Exception):
-    """A frame could not be delivered to any exporter (its journeys are counted)."""
+    """A frame could not be delivered to any exporter (whoever catches it counts
+    its records in the loss account)."""
 
 
 def _launch(

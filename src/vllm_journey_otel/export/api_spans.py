@@ -4,8 +4,9 @@ Where spans are built (the exporter process's main thread, or the drain thread
 in thread mode). Clocks: the record's ``*_mono_ns`` are the API-server
 process's CLOCK_MONOTONIC, the system-wide clock the engine core stamps with
 too, so the same anchor's offset makes them epoch ns; vLLM's ``arrival_time_s``
-and the first token's ``first_token_unix_ns`` are wall clock, used as is
-(each difference is taken after the conversion to epoch ns).
+and the first token's ``first_token_unix_ns`` are wall clock: the server TTFT
+is the read before vLLM's arrival stamp plus vLLM's own TTFT (first token
+minus arrival), and absent where that stamp says nothing (a wall-clock step).
 
 The tree: ``vllm.api.request`` (receipt to the last response byte) with
 ``vllm.api.input`` (receipt to the hand-off to the engine core) and
@@ -59,9 +60,7 @@ def _root_attributes(
         attrs[S.API_REQUEST_IDS] = tuple(rec.request_ids)
     if rec.status_code:
         attrs[S.HTTP_STATUS] = rec.status_code
-    if rec.first_token_unix_ns is not None:  # missing is not zero
-        attrs[S.API_TTFT_MS] = _ms(start, rec.first_token_unix_ns)
-    if rec.first_body_mono_ns is not None:
+    if rec.first_body_mono_ns is not None:  # missing is not zero
         attrs[S.API_TTFB_MS] = _ms(start, rec.first_body_mono_ns + offset_ns)
     if failed(rec):
         attrs[S.ERROR_TYPE] = rec.exception or str(rec.status_code)
@@ -104,9 +103,17 @@ def plan_api(
         and rec.handoff_mono_ns is not None
         and start - _CLOCKS_NS <= arrival <= handoff + _CLOCKS_NS
     ):
+        # The server TTFT: the read before vLLM's stamp, then vLLM's own TTFT
+        # (first token minus arrival, both its wall clock): no wall-clock time
+        # is subtracted from a converted monotonic one. Missing is not zero.
+        first = rec.first_token_unix_ns
+        latency_ms = None if first is None else max(0.0, (first - arrival) / _NS_PER_MS)
         arrival = min(max(start, arrival), handoff)
-        input_attrs[S.API_READ_MS] = _ms(start, arrival)
+        read_ms = _ms(start, arrival)
+        input_attrs[S.API_READ_MS] = read_ms
         input_attrs[S.API_RENDER_MS] = _ms(arrival, handoff)
+        if latency_ms is not None:
+            root.attributes[S.API_TTFT_MS] = read_ms + latency_ms
     plan = [root, PlannedSpan(S.SPAN_API_INPUT, start, handoff, ROOT, input_attrs)]
     if rec.last_output_mono_ns is not None:
         plan.append(

@@ -147,7 +147,7 @@ class SpanSink:
     ) -> int:
         # Building spans takes CPU, not a wait; the stage may make us wait for
         # the backend (backpressure), until ``deadline`` at most.
-        failed = 0
+        unbuilt: list[Record] = []
         health = self.health
         health.engine_dropped = max(health.engine_dropped, engine_dropped)
         built: list[Any] = []  # ReadableSpans, or their OTLP fields (self.encoder)
@@ -157,8 +157,8 @@ class SpanSink:
             except Exception:
                 self._records_unbuilt += 1
                 self._ack()
-                failed += 1
-                if self.losses[Loss.UNBUILT] + failed == 1:
+                unbuilt.append(journey)
+                if self.losses[Loss.UNBUILT] + len(unbuilt) == 1:
                     logger.warning(
                         "journey-otel: could not build spans for a journey; "
                         "later failures are counted silently",
@@ -178,8 +178,8 @@ class SpanSink:
                 built = []
         health.spans_built += len(built)
         self.stage.add(built, self._stop, deadline)
-        self.losses.add(Loss.UNBUILT, failed)
-        return failed
+        # (An in-flight snapshot that failed counts as a snapshot, not a journey.)
+        return self.losses.lose(Loss.UNBUILT, unbuilt)
 
     def _through(self, spans_through: int) -> None:
         """The stage's thread: records whose last span is through an export are accounted for."""
