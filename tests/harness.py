@@ -159,12 +159,14 @@ class Engine:
         if remote_kv:
             from vllm.config import KVTransferConfig
 
-            if remote_kv == "nixl":
+            if remote_kv in ("nixl", "nixl-prefill"):
                 # vLLM's own NIXL connector, scheduler side only (its worker side,
                 # which moves the blocks, needs the NIXL library and a GPU; the
-                # test reports transfers done as that worker side would).
+                # test reports transfers done as that worker side would), on the
+                # decode side or (nixl-prefill) the prefill side.
+                role = "kv_producer" if remote_kv == "nixl-prefill" else "kv_consumer"
                 extra["kv_transfer_config"] = KVTransferConfig(
-                    kv_connector="NixlConnector", kv_role="kv_consumer"
+                    kv_connector="NixlConnector", kv_role=role
                 )
             else:
                 # tests/remote_kv_connector.py: asynchronous loads the test finishes.
@@ -220,6 +222,10 @@ class Engine:
         self.kv_loaded: set[str] = set()
         # ... of which these failed (KVConnectorOutput.failed_recving).
         self.kv_failed: set[str] = set()
+        # Prefill side: held blocks the next processed step reports sent.
+        self.kv_sent: set[str] = set()
+        # request id -> the kv_transfer_params of its final output (the connector's).
+        self.kv_params: dict[str, Any] = {}
         self.prefill_stats: dict[str, Any] = {}
         # request id -> token ids delivered to the client, in order
         self.outputs: dict[str, list[int]] = {}
@@ -242,6 +248,8 @@ class Engine:
         lora: Any = None,
         json_schema: str | None = None,
         remote_prefill: bool = False,
+        remote_decode: bool = False,
+        kv_params: dict[str, Any] | None = None,
         resumable: bool = False,
     ) -> Request:
         # crc32, not hash(): str hashes change with PYTHONHASHSEED between runs.
@@ -268,6 +276,11 @@ class Engine:
                 "remote_port": 1,
                 "tp_size": 1,
             }
+            extra["extra_args"] = {"kv_transfer_params": params}
+        elif remote_decode or kv_params is not None:
+            # The prefill instance's request (what a P/D proxy sends it first), or
+            # the decode instance's with the params the prefill side returned.
+            params = dict(kv_params) if kv_params is not None else {"do_remote_decode": True}
             extra["extra_args"] = {"kv_transfer_params": params}
         sp = SamplingParams(
             max_tokens=max_tokens, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, **extra
@@ -371,15 +384,17 @@ class Engine:
             req_id_to_index={rid: i for i, rid in enumerate(ids)},
             sampled_token_ids=sampled,
         )
-        if self.kv_loaded:
+        if self.kv_loaded or self.kv_sent:
             from vllm.v1.outputs import KVConnectorOutput
 
             mro.kv_connector_output = KVConnectorOutput(
+                finished_sending=set(self.kv_sent),
                 finished_recving=set(self.kv_loaded),
                 failed_recving=self.kv_failed & self.kv_loaded,
             )
             self.kv_failed -= self.kv_loaded
             self.kv_loaded.clear()
+            self.kv_sent.clear()
         outputs = self.scheduler.update_from_output(so, mro)
         for eco in outputs.values():
             for out in eco.outputs:
@@ -387,6 +402,8 @@ class Engine:
                 # usage.prompt_tokens_details.cached_tokens).
                 if getattr(out, "prefill_stats", None) is not None:
                     self.prefill_stats[out.request_id] = out.prefill_stats
+                if getattr(out, "kv_transfer_params", None) is not None:
+                    self.kv_params[out.request_id] = out.kv_transfer_params
                 self.outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
                 if out.trace_headers is not None:
                     seen = self.outputs_with_headers

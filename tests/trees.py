@@ -114,7 +114,14 @@ def check_invariants(root: Node, check_kind: bool = True) -> None:
     if check_kind:  # one SERVER span per request: the API server's, if it is there
         assert root.span.kind.name == ("INTERNAL" if root.api is not None else "SERVER")
     assert root.start <= root.end
-    kids = root.children
+    # Disaggregated serving: the KV blocks kept after the end follow the root.
+    held = [k for k in root.children if k.name == S.SPAN_KV_HELD]
+    assert len(held) <= 1, root.shape()
+    for h in held:
+        assert h.start == root.end <= h.end and not h.children
+        assert set(h.attrs) <= S.attributes_of(S.SPAN_KV_HELD), h.attrs
+        assert (S.KV_HELD_MS in h.attrs) == (h.attrs[S.KV_HELD_RELEASED] is True), h.attrs
+    kids = [k for k in root.children if k.name != S.SPAN_KV_HELD]
     assert kids and kids[0].name == S.SPAN_QUEUED, root.shape()
     # Queued, scheduled and preempted tile the root from admission to the end.
     for a, b in itertools.pairwise(kids):

@@ -160,6 +160,39 @@ class KvLoaded(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=7):
 Event = Scheduled | FirstToken | Preempted | WaitBegan | WaitEnded | SegmentEnded | KvLoaded
 
 
+class KvRemote(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Disaggregated serving, the decode side: the request came with KV computed
+    by another instance (its ``kv_transfer_params`` name a remote request or
+    engine). None fields: not named there."""
+
+    request_id: str | None
+    engine_id: str | None
+    # The prefill journey's root, when that instance traced it (its ids came in
+    # the params under KV_LINK_KEY).
+    link: LinkTarget | None
+
+
+class KvHeld(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Disaggregated serving, the prefill side: the request ended with its KV
+    blocks kept for a remote decode instance (the connector's
+    ``request_finished`` asked vLLM to delay freeing them), from the journey's
+    end to ``end_mono_ns`` (engine monotonic clock)."""
+
+    # The request's KV blocks then (all KV-cache groups); -1: not observed.
+    blocks: int
+    end_mono_ns: int
+    # True: the worker side reported them sent (``finished_sending``: the decode
+    # side read them, or the connector's lease on them ran out). False: still
+    # held when the engine shut down (end_mono_ns is then).
+    released: bool
+
+
+# The key of the prefill journey's root in the ``kv_transfer_params`` its instance
+# returns (the proxy hands those to the decode instance unchanged): a dict of
+# "traceparent" (the root's trace and span ids), "request_id" and "engine_id".
+KV_LINK_KEY: Final = "vllm_journey_prefill"
+
+
 class FinishedJourney(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=10):
     """Everything needed to build a request's spans, recorded on the engine thread.
 
@@ -203,6 +236,9 @@ class FinishedJourney(msgspec.Struct, frozen=True, array_like=True, gc=False, ta
     admitted_kv_cache_usage: float | None = None
     admitted_num_running: int | None = None
     admitted_num_waiting: int | None = None
+    # Disaggregated serving: the decode side's remote KV, the prefill side's hold.
+    kv_remote: KvRemote | None = None
+    kv_held: KvHeld | None = None
 
 
 class StepRecord(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=11):

@@ -29,6 +29,9 @@ SPAN_STEP: Final = "vllm.step"
 # A request still in flight past VLLM_JOURNEY_OTEL_IN_FLIGHT_S: a snapshot of its
 # journey so far, a child of the root its final journey will have.
 SPAN_IN_FLIGHT: Final = "vllm.in_flight"
+# Disaggregated serving, the prefill side: the request's KV blocks kept for the
+# decode instance after the request ended, a child of the root that outlives it.
+SPAN_KV_HELD: Final = "vllm.kv_held"
 
 # The API server's part of a request (VLLM_JOURNEY_OTEL_API_SPANS): from the HTTP
 # request's receipt to its last response byte, the engine's vllm.request inside.
@@ -52,6 +55,7 @@ SPAN_NAMES: Final = (
     SPAN_WAIT,
     SPAN_STEP,
     SPAN_IN_FLIGHT,
+    SPAN_KV_HELD,
 )
 
 # Instrumentation scope of every span we emit.
@@ -92,6 +96,14 @@ WAIT_REASON: Final = "vllm.journey.wait_reason"
 KV_TRANSFER_MS: Final = "vllm.journey.kv_transfer.ms"
 KV_TRANSFER_TOKENS: Final = "vllm.journey.kv_transfer.tokens"
 KV_TRANSFER_FAILED: Final = "vllm.journey.kv_transfer.failed"
+# Disaggregated serving. Root of the decode side's journey (and its link to the
+# prefill side's): the request and engine that computed its KV.
+KV_REMOTE_REQUEST_ID: Final = "vllm.journey.kv_transfer.remote_request_id"
+KV_REMOTE_ENGINE_ID: Final = "vllm.journey.kv_transfer.remote_engine_id"
+# Root and vllm.kv_held of the prefill side's journey.
+KV_HELD_MS: Final = "vllm.journey.kv_held.ms"
+KV_HELD_BLOCKS: Final = "vllm.journey.kv_held.blocks"
+KV_HELD_RELEASED: Final = "vllm.journey.kv_held.released"
 
 # vllm.step only (also SCHEDULER_STEP, KV_CACHE_USAGE, NUM_RUNNING, NUM_WAITING)
 STEP_BATCH_SIZE: Final = "vllm.step.batch_size"
@@ -160,6 +172,10 @@ ERROR_TYPE: Final = "error.type"
 RES_SERVICE_NAME: Final = "service.name"
 RES_MODEL: Final = "vllm.model.name"
 RES_DP_RANK: Final = "vllm.data_parallel.rank"
+# Disaggregated serving: the instance's part (KV_ROLES, from its
+# --kv-transfer-config kv_role) and its connector's engine id.
+RES_KV_ROLE: Final = "vllm.kv_transfer.role"
+RES_KV_ENGINE_ID: Final = "vllm.kv_transfer.engine_id"
 RES_VLLM_VERSION: Final = "vllm.version"
 RES_PLUGIN_VERSION: Final = "vllm.journey.plugin.version"
 RES_HOST: Final = "host.name"
@@ -173,6 +189,9 @@ SCHEDULE_FIRST: Final = "FIRST"
 SCHEDULE_RESUME: Final = "RESUME"
 # Streaming input: the first cycle of the session's next input segment.
 SCHEDULE_NEXT_INPUT: Final = "NEXT_INPUT"
+
+# RES_KV_ROLE's values, by vLLM's kv_role.
+KV_ROLES: Final = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 
 PHASE_PREFILL: Final = "PREFILL"
 PHASE_DECODE: Final = "DECODE"
@@ -335,6 +354,33 @@ ATTRIBUTES: Final[tuple[AttributeSpec, ...]] = (
         "remote_kv: the connector reported the load failed",
     ),
     AttributeSpec(
+        KV_REMOTE_REQUEST_ID,
+        (SPAN_REQUEST,),
+        "string",
+        "decode side: the prefill instance's request whose KV this request loaded",
+    ),
+    AttributeSpec(
+        KV_REMOTE_ENGINE_ID,
+        (SPAN_REQUEST,),
+        "string",
+        "decode side: the prefill instance's engine id (its connector's)",
+    ),
+    AttributeSpec(
+        KV_HELD_MS,
+        (SPAN_REQUEST, SPAN_KV_HELD),
+        "double",
+        "prefill side: the request's end to its KV blocks reported sent; absent if never",
+    ),
+    AttributeSpec(
+        KV_HELD_BLOCKS, (SPAN_REQUEST, SPAN_KV_HELD), "int", "prefill side: KV blocks held"
+    ),
+    AttributeSpec(
+        KV_HELD_RELEASED,
+        (SPAN_KV_HELD,),
+        "boolean",
+        "false: still held when the engine shut down",
+    ),
+    AttributeSpec(
         SEGMENT, (SPAN_QUEUED, SPAN_SCHEDULED), "int", "streaming input: the input segment"
     ),
     AttributeSpec(NUM_SEGMENTS, (SPAN_REQUEST,), "int", "streaming input: input segments"),
@@ -398,6 +444,8 @@ RESOURCE_ATTRIBUTES: Final = (
     RES_SERVICE_NAME,
     RES_MODEL,
     RES_DP_RANK,
+    RES_KV_ROLE,
+    RES_KV_ENGINE_ID,
     RES_VLLM_VERSION,
     RES_PLUGIN_VERSION,
     RES_HOST,

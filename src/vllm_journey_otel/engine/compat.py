@@ -84,6 +84,15 @@ TARGETS: Final[tuple[Target, ...]] = (
     ),
     Target(SCHEDULER, "_free_request", ("request",), required=True),
     Target(SCHEDULER, "shutdown", required=True),
+    # Private: read in 0.30, 0.31, 0.32 and 0.33 (vLLM frees an ended request's
+    # KV blocks there: at once, or once its KV connector is done with them).
+    Target(
+        SCHEDULER,
+        "_free_blocks",
+        ("request",),
+        without="disaggregated serving: no vllm.kv_held (a prefill journey ends "
+        "without how long its KV blocks were kept for the decode side)",
+    ),
     Target(
         SCHEDULER,
         "_handle_stopped_request",

@@ -56,11 +56,22 @@ def _resource_attributes(owner: Any, engine: bool = True) -> dict[str, Any]:
     return {
         S.RES_MODEL: str(model),
         **rank,
+        **_kv_role(vc),
         S.RES_VLLM_VERSION: _STATE.vllm_version,
         S.RES_PLUGIN_VERSION: __version__,
         S.RES_HOST: socket.gethostname(),
         S.RES_PID: os.getpid(),
     }
+
+
+def _kv_role(vllm_config: Any) -> dict[str, Any]:
+    """Disaggregated serving: this instance's part, from --kv-transfer-config."""
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    role = S.KV_ROLES.get(str(getattr(ktc, "kv_role", None)))
+    if ktc is None or role is None:
+        return {}
+    engine_id = getattr(ktc, "engine_id", None)
+    return {S.RES_KV_ROLE: role, **({S.RES_KV_ENGINE_ID: str(engine_id)} if engine_id else {})}
 
 
 def _make_sink(attributes: dict[str, Any]) -> Sink:

@@ -43,6 +43,7 @@ from vllm_journey_otel.engine.sampling import HeadSampler, TailRule
 from vllm_journey_otel.engine.scheduler_wrappers import (
     _wrap_add_request,
     _wrap_free,
+    _wrap_free_blocks,
     _wrap_init,
     _wrap_preempt,
     _wrap_schedule,
@@ -67,6 +68,7 @@ WRAPPERS: dict[tuple[str, str], Callable[[Callable[..., Any]], Callable[..., Any
     (SCHEDULER, "update_from_output"): _wrap_update,
     (SCHEDULER, "_free_request"): _wrap_free,
     (SCHEDULER, "shutdown"): _wrap_shutdown,
+    (SCHEDULER, "_free_blocks"): _wrap_free_blocks,
     (SCHEDULER, "_handle_stopped_request"): _wrap_stopped,
     (ASYNC_LLM, "add_request"): _wrap_async_add_request,
     (OUTPUT_PROCESSOR, "add_request"): _wrap_output_add_request,

@@ -15,6 +15,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from vllm_journey_otel.engine.disaggregation import RELEASE_MARK
 from vllm_journey_otel.engine.handoff import _pipeline_for, flush
 from vllm_journey_otel.engine.in_flight import InFlightWatch
 from vllm_journey_otel.engine.state import _STATE, TRACKER_ATTR, _fail
@@ -131,7 +132,7 @@ def _wrap_update(orig: Callable[..., Any]) -> Callable[..., Any]:
         if tr is None:
             return orig(self, scheduler_output, *args, **kwargs)
         tr.before_update()
-        if tr.blocked and tr.has_connector:
+        if tr.blocked and tr.kv is not None:
             try:
                 tr.kv_transfers(args[0] if args else kwargs.get("model_runner_output"))
             except Exception:
@@ -170,12 +171,31 @@ def _wrap_free(orig: Callable[..., Any]) -> Callable[..., Any]:
         tr = _tracker(self)
         if tr is not None:
             try:
-                tr.after_free(request)
+                # vLLM 0.30-0.33 return (kv_transfer_params, ec_transfer_params).
+                tr.after_free(request, result[0] if isinstance(result, tuple) else None)
             except Exception:
                 _fail("_free_request")
         return result
 
     return _free_request
+
+
+def _wrap_free_blocks(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """vLLM frees an ended request's KV blocks: a held journey's hold ends."""
+
+    @functools.wraps(orig)
+    def _free_blocks(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        result = orig(self, request, *args, **kwargs)
+        tr = _tracker(self)
+        if tr is not None and tr.kv is not None and tr.kv.held:
+            try:
+                tr.kv.released(request.request_id, tr.update_mono_ns if tr.in_update else _now())
+            except Exception:
+                _fail("_free_blocks")
+        return result
+
+    setattr(_free_blocks, RELEASE_MARK, True)
+    return _free_blocks
 
 
 def _wrap_shutdown(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -184,8 +204,11 @@ def _wrap_shutdown(orig: Callable[..., Any]) -> Callable[..., Any]:
         result = orig(self, *args, **kwargs)
         # Requests aborted by the shutdown went through _free_request just
         # before this; export them and everything finished earlier.
-        if self.__dict__.get(TRACKER_ATTR) is not None:
+        tr = self.__dict__.get(TRACKER_ATTR)
+        if tr is not None:
             try:
+                if tr.kv is not None and _STATE.enabled:
+                    tr.kv.release_all(_now())  # KV still held for a decode side
                 if not flush():
                     logger.warning(
                         "journey-otel: not every journey was exported within %.1f s of shutdown",

@@ -16,6 +16,7 @@ from typing import Any
 
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.engine.compat import SKIPPED_REQUESTS, field_name
+from vllm_journey_otel.engine.disaggregation import KvHandoff
 from vllm_journey_otel.engine.pipeline import JourneyPipeline
 from vllm_journey_otel.engine.request_journey import PREEMPTED, RUNNING, RequestJourney
 from vllm_journey_otel.engine.state import _STATE, JOURNEY_ATTR
@@ -26,7 +27,6 @@ _now = time.monotonic_ns
 _frame = sys._getframe
 _WAIT_LORA = S.WAIT_REASONS.index(S.WAIT_LORA_SLOT)
 _WAIT_STREAMING = S.WAIT_REASONS.index(S.WAIT_STREAMING_INPUT)
-_WAIT_REMOTE_KV = S.WAIT_REASONS.index(S.WAIT_REMOTE_KV)
 # A request status vLLM added after this was written: ended, reason unknown.
 _UNKNOWN_STATUS = (STATUS_ABORTED, "abort")
 
@@ -43,6 +43,7 @@ class SchedulerTracker:
         "hook_preempt",
         "in_update",
         "keep_headers",
+        "kv",
         "last_update_ids",
         "last_update_mono_ns",
         "max_loras",
@@ -98,8 +99,10 @@ class SchedulerTracker:
         self.status_waits: dict[Any, int] = _STATE.status_waits
         self.streaming_status = _STATE.streaming_status
         self.blocked: dict[str, tuple[Any, RequestJourney, Any]] = {}
-        # A KV connector can put requests into WAITING_FOR_REMOTE_KVS in schedule().
+        # A KV connector can put requests into WAITING_FOR_REMOTE_KVS in schedule(),
+        # and keep an ended request's KV blocks for another instance.
         self.has_connector = getattr(scheduler, "connector", None) is not None
+        self.kv = KvHandoff(scheduler, pipeline) if self.has_connector else None
         # Where this release keeps the requests schedule() skipped (compat.FIELDS).
         self.skipped_field = field_name(SKIPPED_REQUESTS, _STATE.vllm_version, scheduler)
         # Step view: the fraction of steps recorded (0: off), and the recorded
@@ -112,6 +115,8 @@ class SchedulerTracker:
         """Tracing went off in this process (``state._fail``): nothing is tracked."""
         for tracked in (self.awaiting, self.blocked, self.steps_open):
             tracked.clear()
+        if self.kv is not None:
+            self.kv.held.clear()
 
     # add_request ----------------------------------------------------------
     def before_add(self, request: Any) -> bool:
@@ -398,43 +403,11 @@ class SchedulerTracker:
             j.verified(proposed, n - k if n > k else 0)
 
     def kv_transfers(self, mro: Any) -> None:
-        """KV connector: the asynchronous loads the worker side reports finished
-        (``finished_recving``) or failed (``failed_recving``) in this step's
-        output. Read before the original runs: with vLLM's default
-        ``kv_load_failure_policy="fail"`` it ends a failed request in there.
-        Only with a KV connector and while some request is in a status wait
-        (grammar or remote KV); O(loads reported)."""
+        """KV connector: the transfers this step's output reports (disaggregation.py).
+        Only while some request is in a status wait."""
         kco = getattr(mro, "kv_connector_output", None)
-        if kco is None:
-            return
-        done = getattr(kco, "finished_recving", None)
-        bad = getattr(kco, "failed_recving", None)
-        if not done and not bad:
-            return
-        # Block-level failures (invalid_block_ids) cannot be told apart per
-        # request before vLLM maps them: then success is unknown, not assumed.
-        unknown = bool(getattr(kco, "invalid_block_ids", None))
-        t = self.update_mono_ns
-        step = self.step
-        blocked = self.blocked
-        waits = self.status_waits
-        for rid in set(done or ()) | set(bad or ()):
-            entry = blocked.get(rid)
-            if entry is None:
-                continue
-            req, j, status = entry
-            if waits.get(status) != _WAIT_REMOTE_KV:
-                continue
-            # vLLM fills PrefillStats at the first admission only: after a
-            # preemption its count is not this load's (not observed: -1).
-            stats = getattr(req, "prefill_stats", None)
-            tokens = (
-                getattr(stats, "num_external_cached_tokens", -1)
-                if stats is not None and not req.num_preemptions
-                else -1
-            )
-            failed = 1 if bad and rid in bad else (-1 if unknown else 0)
-            j.kv_loaded(t, step, tokens if isinstance(tokens, int) else -1, failed)
+        if kco is not None and self.kv is not None:
+            self.kv.outputs(kco, self.update_mono_ns, self.step, self)
 
     def after_update(self, scheduler_output: Any) -> None:
         t = self.update_mono_ns
@@ -466,7 +439,8 @@ class SchedulerTracker:
                 del awaiting[rid]
 
     # _free_request ---------------------------------------------------------
-    def after_free(self, request: Any) -> None:
+    def after_free(self, request: Any, kv_params: Any = None) -> None:
+        """``kv_params``: the connector's ``kv_transfer_params`` for the response."""
         j: RequestJourney | None = getattr(request, JOURNEY_ATTR, None)
         if j is None:
             return
@@ -497,6 +471,8 @@ class SchedulerTracker:
         if self.spec_from_vllm:
             _vllm_drafts(request, j)
         status, reason = self.status_map.get(request.status, _UNKNOWN_STATUS)
+        kv = self.kv
+        held = kv is not None and kv.keeps_blocks(request, j)
         finished = j.finish(t, self.step, status, reason, out_tokens, last)
         if finished is None:
             return
@@ -508,6 +484,10 @@ class SchedulerTracker:
             j.seen_in_flight,
         ):
             return  # dropped by head sampling, not kept by the tail rule
+        if kv is not None:
+            finished = kv.ended(request, finished, kv_params, held)
+            if finished is None:
+                return  # handed on when vLLM frees its KV blocks
         self.pipeline.submit(finished)
         if not self.in_update:
             self.pipeline.publish_due(t, force=True)  # an abort between steps

@@ -12,7 +12,9 @@ Clock rules: monotonic engine stamps (``*_mono_ns``) become epoch (``*_unix_ns``
 by adding the anchor's offset; the request's wall-clock arrival is used as is.
 Every child is clamped into its parent, so a small disagreement between the
 API server's wall clock and our anchor can shorten a span but never puts one
-outside its parent.
+outside its parent. One child follows its root instead: ``vllm.kv_held`` (the
+prefill side of disaggregated serving), the request's KV blocks kept for the
+decode instance after the request ended.
 """
 
 from __future__ import annotations
@@ -318,6 +320,7 @@ class _Planner:
         )
         root.error = j.status == _STATUS_ERROR
         root.ids = j.root_ids
+        _kv_handoff(self.plan, j, self.offset_ns)
         return self.plan
 
 
@@ -351,6 +354,46 @@ def plan_step(rec: StepRecord, offset_ns: int) -> PlannedSpan:
         S.NUM_WAITING: rec.num_waiting,
     }
     return PlannedSpan(S.SPAN_STEP, start, end, None, attrs, links=[link_to(t) for t in rec.links])
+
+
+def _kv_handoff(plan: list[PlannedSpan], j: FinishedJourney, offset_ns: int) -> None:
+    """Disaggregated serving: the decode side's remote KV on the root; the
+    prefill side's hold of its KV blocks, after the root's end, as a child."""
+    root = plan[ROOT]
+    remote = j.kv_remote
+    if remote is not None:
+        if remote.request_id is not None:
+            root.attributes[S.KV_REMOTE_REQUEST_ID] = remote.request_id
+        if remote.engine_id is not None:
+            root.attributes[S.KV_REMOTE_ENGINE_ID] = remote.engine_id
+    held = j.kv_held
+    if held is None:
+        return
+    start = root.end_unix_ns
+    end = max(start, held.end_mono_ns + offset_ns)
+    attrs: dict[str, AttributeValue] = {}
+    if held.blocks >= 0:
+        attrs[S.KV_HELD_BLOCKS] = held.blocks
+    if held.released:  # else it was held at least this long: not its length
+        attrs[S.KV_HELD_MS] = (end - start) / _NS_PER_MS
+    root.attributes.update(attrs)
+    attrs[S.KV_HELD_RELEASED] = held.released
+    plan.append(PlannedSpan(S.SPAN_KV_HELD, start, end, ROOT, attrs))
+
+
+def _kv_link(j: FinishedJourney) -> list[trace.Link]:
+    """The decode side's link to the prefill side's journey of the same request."""
+    remote = j.kv_remote
+    if remote is None or remote.link is None:
+        return []
+    ids = remote.link.ids
+    ctx = SpanContext(trace_id_of(ids), ids.span_id, True, TraceFlags(TraceFlags.SAMPLED))
+    attrs: dict[str, AttributeValue] = {}
+    if remote.request_id is not None:
+        attrs[S.KV_REMOTE_REQUEST_ID] = remote.request_id
+    if remote.engine_id is not None:
+        attrs[S.KV_REMOTE_ENGINE_ID] = remote.engine_id
+    return [trace.Link(ctx, attrs)]
 
 
 def _root_attributes(
@@ -425,6 +468,7 @@ def root_context(j: FinishedJourney) -> tuple[SpanContext | None, list[trace.Lin
     to the client's span.
     """
     client = client_context(j.trace_headers)
+    links = _kv_link(j)
     if j.head_sampled:
-        return client, []
-    return None, [trace.Link(client)] if client is not None else []
+        return client, links
+    return None, ([trace.Link(client)] if client is not None else []) + links
