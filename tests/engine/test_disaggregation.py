@@ -14,9 +14,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from conftest import import_harness, requires_vllm
 from trees import check_invariants
-
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.journey import KV_LINK_KEY
 

@@ -125,9 +125,11 @@ class KvHandoff:
 
 def _loads(tracker: Any, kco: Any, done: Any, bad: Any, t: int, step: int) -> None:
     """The ``remote_kv`` waits whose load the worker side reported finished."""
-    # Block-level failures (invalid_block_ids) cannot be told apart per
-    # request before vLLM maps them: then success is unknown, not assumed.
-    unknown = bool(getattr(kco, "invalid_block_ids", None))
+    # Block-level failures (invalid_block_ids, as NIXL reports a failed read):
+    # a load failed when one of its request's blocks is among them, as vLLM maps
+    # them itself; a request whose blocks cannot be read: unknown, not assumed.
+    invalid = getattr(kco, "invalid_block_ids", None)
+    manager = tracker.scheduler.kv_cache_manager
     blocked = tracker.blocked
     waits = tracker.status_waits
     for rid in set(done or ()) | set(bad or ()):
@@ -145,8 +147,17 @@ def _loads(tracker: Any, kco: Any, done: Any, bad: Any, t: int, step: int) -> No
             if stats is not None and not req.num_preemptions
             else -1
         )
-        failed = 1 if bad and rid in bad else (-1 if unknown else 0)
+        failed = 1 if bad and rid in bad else (_hit(manager, rid, invalid) if invalid else 0)
         j.kv_loaded(t, step, tokens if isinstance(tokens, int) else -1, failed)
+
+
+def _hit(manager: Any, request_id: str, invalid: set[int]) -> int:
+    """1: some block of the request is among the failed ones; -1: not known."""
+    try:
+        groups = manager.get_block_ids(request_id)
+    except Exception:  # a KV-cache manager without the public accessor
+        return -1
+    return 1 if any(b in invalid for g in groups for b in g) else 0
 
 
 def _blocks(scheduler: Any, request_id: str) -> int:
