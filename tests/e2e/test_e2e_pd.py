@@ -16,7 +16,6 @@ moved (the decode instance's text equals its own local prefill's).
 from __future__ import annotations
 
 import json
-import os
 import urllib.error
 from pathlib import Path
 from typing import Any
@@ -25,74 +24,28 @@ import pytest
 
 from conftest import requires_vllm
 from otlp_receiver import ReceivedSpan
-from services import VENV, Process, VllmServer, free_port, http_json, wait_until
+from pd_serving import BLOCK, PdServing
+from services import http_json, wait_until
 from serving import new_traceparent
 from vllm_journey_otel import schema as S
 
 pytestmark = [requires_vllm, pytest.mark.e2e]
 
-TESTS = Path(__file__).resolve().parent.parent
 # Long enough for several KV blocks (the CPU backend's default block is 128
 # tokens; the servers below use 32). Each request prefixes it with its own words.
 PROMPT = " ".join(f"word{i}" for i in range(150))
 LEASE_S = 4.0
-BLOCK = 32  # the CPU attention backend takes multiples of 32
 SLACK_NS = 1_000_000
-
-
-def _server(model_dir: Path, tmp: Path, receiver: Any, role: str, cpu: str) -> VllmServer:
-    config = {
-        "kv_connector": "FileKVConnector",
-        "kv_connector_module_path": "file_kv_connector",
-        "kv_role": role,
-        "kv_connector_extra_config": {"dir": str(tmp / "kv"), "lease_s": LEASE_S},
-    }
-    env = {
-        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{receiver.grpc_port}",
-        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])),
-        "VLLM_CPU_OMP_THREADS_BIND": cpu,
-    }
-    args = ["--block-size", str(BLOCK), "--kv-transfer-config", json.dumps(config)]
-    return VllmServer(model_dir, tmp / f"vllm-{role}.log", env, args)
 
 
 @pytest.fixture(scope="module")
 def pd(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, module_receiver: Any):  # type: ignore[no-untyped-def]
     tmp = tmp_path_factory.mktemp("pd")
-    started: list[Process] = []
+    serving = PdServing.start(model_dir, tmp, module_receiver.grpc_port, LEASE_S)
     try:
-        prefill = _server(model_dir, tmp, module_receiver, "kv_producer", "0")
-        started.append(prefill)
-        decode = _server(model_dir, tmp, module_receiver, "kv_consumer", "1")
-        started.append(decode)
-        prefill.wait_ready()
-        decode.wait_ready()
-        port = free_port()
-        env = {
-            **{k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "VLLM_"))},
-            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{module_receiver.grpc_port}",
-            "OTEL_BSP_SCHEDULE_DELAY": "200",
-        }
-        argv = [str(VENV / "bin" / "python"), str(TESTS / "pd_proxy.py"), "--port", str(port),
-                "--prefill", prefill.url, "--decode", decode.url]  # fmt: skip
-        proxy = Process("pd proxy", argv, env, tmp / "proxy.log")
-        started.append(proxy)
-        url = f"http://127.0.0.1:{port}"
-
-        def up() -> bool:
-            if not proxy.alive():
-                raise RuntimeError(f"proxy exited:\n{proxy.tail()}")
-            try:
-                return bool(http_json(url + "/health", timeout=2))
-            except OSError:
-                return False
-
-        wait_until(up, 60, 0.2, "the proxy")
-        yield prefill, decode, url, module_receiver, tmp / "kv"
+        yield serving.prefill, serving.decode, serving.proxy_url, module_receiver, serving.kv_dir
     finally:
-        for p in reversed(started):
-            p.stop()
+        serving.stop()
 
 
 def _trace(receiver: Any, trace_id: int, want: int) -> list[ReceivedSpan]:

@@ -38,7 +38,7 @@ def _until_ended(e: Any, *rids: str) -> None:
     raise AssertionError(f"{rids} did not end")
 
 
-def test_prefill_side_holds_its_journey_until_the_kv_is_sent(tracing) -> None:
+def test_prefill_side_holds_its_journey_until_the_kv_is_sent(tracing, tmp_path) -> None:
     e = harness.Engine(remote_kv="nixl-prefill")
     e.add("p1", prompt_len=40, max_tokens=1, remote_decode=True,
           trace_headers={"traceparent": TRACEPARENT})  # fmt: skip
@@ -80,6 +80,19 @@ def test_prefill_side_holds_its_journey_until_the_kv_is_sent(tracing) -> None:
     assert held2.attrs[S.KV_HELD_RELEASED] is False
     assert held2.attrs[S.KV_HELD_BLOCKS] == blocks["p2"]
     assert S.KV_HELD_MS not in held2.attrs and S.KV_HELD_MS not in p2.attrs
+    # vllm-journey summary on the trace file: the released hold's figures, and
+    # the one still held counted apart (its length unknown).
+    from vllm_journey_otel.export.file_exporter import OtlpJsonFileExporter
+    from vllm_journey_otel.tools.summary import SUMMARY_ATTRIBUTES, format_text, summarize
+    from vllm_journey_otel.tools.tracefile import read_spans
+
+    path = tmp_path / "pd.jsonl"
+    OtlpJsonFileExporter(path).export(tracing.spans())
+    d = summarize(read_spans([path], attributes_of=SUMMARY_ATTRIBUTES)).to_dict()
+    assert d["kv_held"]["ms"]["count"] == 1
+    assert d["kv_held"]["ms"]["max"] == round(held.attrs[S.KV_HELD_MS], 3)
+    assert d["kv_held"]["unreleased"] == 1
+    assert "KV blocks held for a decode instance: 1 released, 1 still held" in format_text(d)
 
 
 def test_decode_side_links_to_the_prefill_journey(tracing) -> None:

@@ -24,7 +24,9 @@ PHASES = (
 )
 PERCENTILES = (50, 90, 95, 99)
 # The only spans whose attributes the summary reads.
-SUMMARY_ATTRIBUTES = frozenset({S.SPAN_REQUEST, S.SPAN_WAIT, S.SPAN_IN_FLIGHT, S.SPAN_API})
+SUMMARY_ATTRIBUTES = frozenset(
+    {S.SPAN_REQUEST, S.SPAN_WAIT, S.SPAN_IN_FLIGHT, S.SPAN_API, S.SPAN_KV_HELD}
+)
 # The API server's part (vllm.api.*): root attributes, and its two sides' durations.
 API_PHASES = (("api:ttft", S.API_TTFT_MS), ("api:ttfb", S.API_TTFB_MS), ("api:e2e", S.API_E2E_MS))
 API_SIDES = {S.SPAN_API_INPUT: "api:input", S.SPAN_API_OUTPUT: "api:output"}
@@ -101,6 +103,9 @@ class Summary:
     # Remote KV loads (remote_kv waits whose transfer end was reported).
     kv_transfer_ms: list[float] = field(default_factory=list)
     kv_transfer_failed: int = 0
+    # Disaggregated serving, the prefill side: KV blocks held for the decode side.
+    kv_held_ms: list[float] = field(default_factory=list)
+    kv_held_unreleased: int = 0
     spec_requests: int = 0
     drafts_proposed: int = 0
     drafts_accepted: int = 0
@@ -119,16 +124,22 @@ class Summary:
     # Engine journeys' durations by data-parallel rank (shown with several ranks).
     by_rank_ms: dict[str, list[float]] = field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, Any]:
-        def stats(values: list[float]) -> dict[str, float] | None:
-            if not values:
-                return None
-            v = sorted(values)
-            out = {f"p{q}": round(percentile(v, q), 3) for q in PERCENTILES}
-            out["count"] = len(v)
-            out["max"] = round(v[-1], 3)
-            return out
+    def _kv_dict(self) -> dict[str, Any]:
+        """The KV hand-offs: remote loads (decode side), holds (prefill side)."""
+        return {
+            "kv_transfer": (
+                {"ms": stats(self.kv_transfer_ms), "failed": self.kv_transfer_failed}
+                if self.kv_transfer_ms
+                else None
+            ),
+            "kv_held": (
+                {"ms": stats(self.kv_held_ms), "unreleased": self.kv_held_unreleased}
+                if self.kv_held_ms or self.kv_held_unreleased
+                else None
+            ),
+        }
 
+    def to_dict(self) -> dict[str, Any]:
         return {
             "journeys": self.journeys,
             "spans": self.spans,
@@ -156,11 +167,7 @@ class Summary:
                 "cached_input": self.cached_tokens,
             },
             "waits_ms": {reason: stats(v) for reason, v in sorted(self.waits_ms.items())},
-            "kv_transfer": (
-                {"ms": stats(self.kv_transfer_ms), "failed": self.kv_transfer_failed}
-                if self.kv_transfer_ms
-                else None
-            ),
+            **self._kv_dict(),
             "speculative_decoding": (
                 {
                     "requests": self.spec_requests,
@@ -219,6 +226,12 @@ def summarize(spans: Iterable[FileSpan], top: int = 10) -> Summary:
                 summary.kv_transfer_ms.append(float(transfer))
                 if span.attributes.get(S.KV_TRANSFER_FAILED) is True:
                     summary.kv_transfer_failed += 1
+        elif span.name == S.SPAN_KV_HELD:
+            held = span.attributes.get(S.KV_HELD_MS)
+            if isinstance(held, int | float):
+                summary.kv_held_ms.append(float(held))
+            else:  # still held at shutdown: its length is not known
+                summary.kv_held_unreleased += 1
         elif span.name == S.SPAN_IN_FLIGHT:
             _in_flight(summary, span)
         elif span.name == S.SPAN_API:
@@ -296,6 +309,32 @@ def _by_rank(item: tuple[str, Any]) -> tuple[int, str]:
     return (int(rank), "") if rank.isdigit() else (-1, rank)
 
 
+def stats(values: list[float]) -> dict[str, float] | None:
+    """Percentiles, count and max of ``values`` (ms); None without any."""
+    if not values:
+        return None
+    v = sorted(values)
+    out = {f"p{q}": round(percentile(v, q), 3) for q in PERCENTILES}
+    out["count"] = len(v)
+    out["max"] = round(v[-1], 3)
+    return out
+
+
+def _kv_lines(kv: dict[str, Any] | None, held: dict[str, Any] | None) -> list[str]:
+    lines = []
+    if kv:
+        lines.append(
+            f"remote KV loads: {kv['ms']['count']} reported done, {kv['failed']} of them failed"
+        )
+    if held:
+        count = held["ms"]["count"] if held["ms"] else 0
+        lines.append(
+            f"KV blocks held for a decode instance: {count} released, "
+            f"{held['unreleased']} still held at shutdown"
+        )
+    return lines
+
+
 def _rank_lines(ranks: dict[str, Any] | None) -> list[str]:
     """An engine journey's duration, by the rank of the engine core that served it."""
     if not ranks:
@@ -330,6 +369,9 @@ def format_text(d: dict[str, Any]) -> str:
     kv = d.get("kv_transfer")
     if kv:  # remote KV loads: the transfer part of wait:remote_kv
         rows.append(("kv_transfer", kv["ms"]))
+    held = d.get("kv_held")
+    if held and held["ms"]:  # the prefill side's hold of the blocks for the decode side
+        rows.append(("kv_held", held["ms"]))
     width = max(12, *(len(name) + 2 for name, _ in rows))
     lines[3] = f"{'phase (ms)':<{width}}" + lines[3][12:]
     for name, stats in rows:
@@ -364,10 +406,7 @@ def format_text(d: dict[str, Any]) -> str:
             + (f" ({rate:.1%})" if rate is not None else "")
             + (f"; per request: median {per['p50']:.1%}, max {per['max']:.1%}" if per else "")
         )
-    if kv:
-        lines.append(
-            f"remote KV loads: {kv['ms']['count']} reported done, {kv['failed']} of them failed"
-        )
+    lines += _kv_lines(kv, held)
     lines += _rank_lines(d.get("by_data_parallel_rank"))
     if d["slowest"]:
         lines += ["", "slowest requests:", f"  {'ms':>10}  {'preempt':>7}  trace_id  request_id"]
