@@ -41,7 +41,12 @@ SLACK_NS = 1_000_000
 @pytest.fixture(scope="module")
 def pd(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, module_receiver: Any):  # type: ignore[no-untyped-def]
     tmp = tmp_path_factory.mktemp("pd")
-    serving = PdServing.start(model_dir, tmp, module_receiver.grpc_port, LEASE_S)
+    # Both instances' exporters also write one trace file (the tools' input).
+    env = {
+        "OTEL_TRACES_EXPORTER": "otlp,otlp_json_file",
+        "VLLM_JOURNEY_OTEL_FILE": str(tmp / "pd.jsonl"),
+    }
+    serving = PdServing.start(model_dir, tmp, module_receiver.grpc_port, LEASE_S, env)
     try:
         yield serving.prefill, serving.decode, serving.proxy_url, module_receiver, serving.kv_dir
     finally:
@@ -49,15 +54,18 @@ def pd(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, module_receive
 
 
 def _trace(receiver: Any, trace_id: int, want: int) -> list[ReceivedSpan]:
-    """The spans of one trace once ``want`` of our journeys (vllm.request) arrived
-    and every span the proxy sends (its SERVER span and two httpx CLIENT spans)."""
+    """The spans of one trace once ``want`` of our journeys (vllm.request) and as
+    many API-server spans (each process exports its own, in its own time) arrived,
+    and the proxy's SERVER span and two httpx CLIENT spans."""
     tid = trace_id.to_bytes(16, "big")
 
     def found() -> list[ReceivedSpan] | None:
         spans = [s for s in receiver.spans() if s.span.trace_id == tid]
         roots = [s for s in spans if s.name == S.SPAN_REQUEST]
-        proxy = [s for s in spans if s.resource.get("service.name") == "pd-proxy"]
-        return spans if len(roots) >= want and len(proxy) >= 3 else None
+        apis = [s for s in spans if s.name == S.SPAN_API]
+        proxy = [s for s in spans if s.resource.get("service.name") == "pd-proxy"
+                 and s.span.kind in (s.span.SPAN_KIND_SERVER, s.span.SPAN_KIND_CLIENT)]  # fmt: skip
+        return spans if min(len(roots), len(apis)) >= want and len(proxy) >= 3 else None
 
     return wait_until(found, 60, 0.2, f"trace {trace_id:032x}")  # type: ignore[no-any-return]
 
@@ -258,3 +266,47 @@ def test_the_hand_offs_that_go_wrong_end_with_a_status(pd) -> None:  # type: ign
     assert local.attrs[S.FINISH_STATUS] == S.FINISH_LENGTH
     assert local.attrs[S.KV_REMOTE_REQUEST_ID] == "r"
     assert _wait_span(receiver.spans(), local) is None
+
+
+def test_the_tools_tell_the_two_instances_apart(pd, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    """explain says where each journey ran and its KV hand-off; summary counts the
+    holds and loads; Perfetto draws each instance as its own process."""
+    from vllm_journey_otel.tools.cli import main as cli_main
+    from vllm_journey_otel.tools.tracefile import read_spans
+
+    _, decode, url, receiver, kv_dir = pd
+    traceparent, trace_id, _ = new_traceparent()
+    _completion(url, decode.model, "async", traceparent, f"tools {PROMPT}", (False, False))
+    roots = {s.resource[S.RES_KV_ROLE]: s for s in _trace(receiver, trace_id, 2)
+             if s.name == S.SPAN_REQUEST}  # fmt: skip
+    rid = {role: str(r.attrs[S.REQUEST_ID]) for role, r in roots.items()}
+    path = kv_dir.parent / "pd.jsonl"
+
+    def in_file() -> bool:
+        names = {(s.name, s.attributes.get(S.REQUEST_ID)) for s in read_spans([path])}
+        return {(S.SPAN_REQUEST, rid["prefill"]), (S.SPAN_REQUEST, rid["decode"])} <= names
+
+    wait_until(in_file, 30, 0.2, "both journeys in the trace file")
+    assert cli_main(["explain", str(path), "--request", rid["decode"]]) == 0
+    out = capsys.readouterr().out
+    assert "decode instance" in out, out
+    engine = roots["prefill"].resource[S.RES_KV_ENGINE_ID]
+    assert (
+        f"its prompt's KV came from another instance: request {rid['prefill']} of engine {engine}"
+        in out
+    )
+    assert cli_main(["explain", str(path), "--request", rid["prefill"]]) == 0
+    out = capsys.readouterr().out
+    assert "prefill instance" in out and "stayed held for the decode instance" in out, out
+    assert cli_main(["summary", str(path), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["kv_held"]["ms"]["count"] >= 1 and d["kv_transfer"]["ms"]["count"] >= 1
+    out_path = kv_dir.parent / "pd-perfetto.json"
+    assert cli_main(["perfetto", str(path), "-o", str(out_path)]) == 0
+    capsys.readouterr()
+    events = json.loads(out_path.read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    names = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert any(n.endswith(" prefill") for n in names) and any(
+        n.endswith(" decode") for n in names
+    ), names

@@ -86,6 +86,24 @@ GRANDCHILDREN = (S.SPAN_PREFILL, S.SPAN_DECODE, S.SPAN_WAIT)
 AS_CAUSE = {S.SPAN_QUEUED: QUEUED, S.SPAN_PREEMPTED: PREEMPTED}
 
 
+def _where_and_kv(e: Explanation, root: FileSpan) -> None:
+    """The engine's instance (its resource) and its KV hand-off (root attributes)."""
+    r, a = root.resource, root.attributes
+    parts = [str(r[S.RES_HOST])] if S.RES_HOST in r else []
+    if S.RES_DP_RANK in r:
+        parts.append(f"data-parallel rank {r[S.RES_DP_RANK]}")
+    if S.RES_KV_ROLE in r:
+        parts.append(f"{r[S.RES_KV_ROLE]} instance")
+    e.where = ", ".join(parts)
+    e.kv_held_ms = _opt_float(a, S.KV_HELD_MS)
+    remote = a.get(S.KV_REMOTE_REQUEST_ID)
+    if remote is not None or S.KV_REMOTE_ENGINE_ID in a:
+        engine = a.get(S.KV_REMOTE_ENGINE_ID)
+        e.kv_from = (f"request {remote}" if remote else "a request it does not name") + (
+            f" of engine {engine}" if engine else ""
+        )
+
+
 def _ms(ns: int) -> float:
     return ns / 1e6
 
@@ -162,6 +180,12 @@ class Explanation:
     # The engine's phases went on this long after the last response byte (the
     # API server ended the request itself: a stop string, a client gone).
     engine_after_response_ms: float | None = None
+    # Where the engine ran it: host, data-parallel rank, disaggregated role.
+    where: str = ""
+    # Disaggregated serving: the prefill side's hold of its KV blocks for the
+    # decode side (ms, None: not held or not released); the decode side's source.
+    kv_held_ms: float | None = None
+    kv_from: str | None = None
 
     def by_cause(self) -> dict[str, float]:
         """Milliseconds per cause, in journey order."""
@@ -206,6 +230,9 @@ class Explanation:
             "decode_tokens": self.decode_tokens,
             "decode_ms_per_token": self.decode_ms_per_token,
             "spec_acceptance_rate": self.spec_acceptance,
+            "where": self.where,
+            "kv_held_ms": self.kv_held_ms,
+            "kv_from": self.kv_from,
         }
 
 
@@ -388,6 +415,8 @@ def explain(
         _opt_int(a, S.GEN_AI_OUTPUT_TOKENS),
         spec_acceptance=_opt_float(a, S.SPEC_ACCEPTANCE_RATE),
     )
+    if engine_seen:
+        _where_and_kv(e, root)
     if api is not None:
         e.outermost = S.SPAN_API
         e.server_ttft_ms, e.server_ttfb_ms = api.ttft_ms, api.ttfb_ms

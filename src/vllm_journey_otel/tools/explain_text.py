@@ -135,6 +135,13 @@ def _details(e: Explanation) -> list[str]:
             f"  decode {totals[DECODE]:.1f} ms: {_n(e.decode_tokens)} tokens, {rate}{spec}"
         )
     lines += _edges(e, totals)
+    if e.kv_from is not None:
+        lines.append(f"  its prompt's KV came from another instance: {e.kv_from}")
+    if e.kv_held_ms is not None:
+        lines.append(
+            f"  after its end its KV blocks stayed held for the decode instance "
+            f"{e.kv_held_ms:.1f} ms (vllm.kv_held)"
+        )
     return lines
 
 
@@ -181,6 +188,7 @@ def format_journey(e: Explanation) -> str:
         f"{e.request_id or '(no request id)'}  trace {e.trace_id}  {e.status}, "
         f"{e.e2e_ms:.1f} ms end to end ({what} {e.outermost}); input "
         f"{_n(e.input_tokens)} tokens ({_n(e.cached_tokens)} cached), output {_n(e.output_tokens)}"
+        + (f"; ran on {e.where}" if e.where else "")
     )
     return "\n".join([head, *_headline(e), *_details(e), "  waterfall:", *waterfall(e)])
 

@@ -50,7 +50,7 @@ _PASS1 = frozenset({S.SPAN_REQUEST, S.SPAN_SCHEDULED, S.SPAN_API, S.SPAN_API_INP
 # Ways to rank journeys for --slowest.
 BY_E2E = "e2e"
 BY_TTFT = "ttft"
-GROUPS = ("model", "lora", "dp_rank", "instance")
+GROUPS = ("model", "lora", "dp_rank", "instance", "kv_role")
 
 
 @dataclass
@@ -132,6 +132,7 @@ def _groups(s: FileSpan) -> tuple[str, ...]:
         str(s.attributes.get(S.LORA_NAME, "")),
         str(r.get(S.RES_DP_RANK, "")),
         str(r.get(S.RES_HOST, "")),
+        str(r.get(S.RES_KV_ROLE, "")),
     )
 
 

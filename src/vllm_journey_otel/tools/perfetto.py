@@ -1,11 +1,11 @@
 """``vllm-journey perfetto``: journeys as a trace for ui.perfetto.dev (or chrome://tracing).
 
 Runs in the CLI's process, offline: reads OTLP/JSON trace files, writes one file.
-A process per vLLM instance (``host.name``, ``vllm.data_parallel.rank``) holds a
-track per journey (its request id) with its spans as nested slices, args the
-attributes. A preemption is its vllm.preempted slice plus an instant ``preempts
-<id>`` on the preempting request's track, with a flow arrow to that slice when
-``vllm.journey.preempted_by`` names a journey of the instance in the output.
+A process per vLLM instance (``host.name``, ``vllm.data_parallel.rank``,
+``vllm.kv_transfer.role``) holds a track per journey (its request id) with its
+spans as nested slices, args the attributes. A preemption is its vllm.preempted
+slice plus an instant ``preempts <id>`` on the preempting request's track, with a
+flow arrow when ``vllm.journey.preempted_by`` names a journey of the instance.
 vllm.step spans become counter tracks per instance (batch size, KV-cache usage,
 running and waiting requests, prefill and decode tokens) at each step's start.
 
@@ -71,8 +71,10 @@ def _id(hex_id: str) -> int:
 
 
 def _instance(resource: dict[str, Any]) -> tuple[str, str]:
-    rank = resource.get(S.RES_DP_RANK)
-    return str(resource.get(S.RES_HOST, "unknown host")), "" if rank is None else str(rank)
+    """(host, its instance: data-parallel rank, disaggregated role)."""
+    rank, role = resource.get(S.RES_DP_RANK), resource.get(S.RES_KV_ROLE)
+    tag = " ".join(([] if rank is None else [f"dp={rank}"]) + ([] if role is None else [str(role)]))
+    return str(resource.get(S.RES_HOST, "unknown host")), tag
 
 
 class _Root(NamedTuple):
@@ -260,8 +262,8 @@ def _annotate(a: Any, value: Any) -> None:
         a.string_value = str(value)
 
 
-def _instance_name(host: str, rank: str) -> str:
-    return f"vllm {host} dp={rank}" if rank else f"vllm {host}"
+def _instance_name(host: str, tag: str) -> str:
+    return f"vllm {host} {tag}" if tag else f"vllm {host}"
 
 
 def _preempts(root: _Node) -> str:
