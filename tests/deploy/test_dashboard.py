@@ -184,9 +184,10 @@ def test_every_promised_attribute_is_emitted_by_real_journeys(tracing) -> None: 
     # Every span of the plain path; vllm.wait (a wait happened) and vllm.step (the
     # opt-in step view) are covered in tests/engine/test_beyond_plain.py, vllm.in_flight
     # (a request in flight past the threshold) in tests/engine/test_in_flight.py, the
-    # API server's (no HTTP server here) in tests/e2e/test_e2e_api_server.py.
+    # API server's (no HTTP server here) in tests/e2e/test_e2e_api_server.py, vllm.kv_held
+    # (disaggregated serving) in tests/engine/test_disaggregation.py.
     api = {S.SPAN_API, S.SPAN_API_INPUT, S.SPAN_API_OUTPUT}
-    plain = set(S.SPAN_NAMES) - {S.SPAN_WAIT, S.SPAN_STEP, S.SPAN_IN_FLIGHT, *api}
+    plain = set(S.SPAN_NAMES) - {S.SPAN_WAIT, S.SPAN_STEP, S.SPAN_IN_FLIGHT, S.SPAN_KV_HELD, *api}
     assert plain <= set(emitted), plain - set(emitted)
 
     promises = list(collector_refs()[1])

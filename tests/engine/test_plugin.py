@@ -218,6 +218,7 @@ def test_a_target_left_out_takes_its_group_and_says_what_is_lost(caplog) -> None
     assert {t.name for t in left_out} == {
         "Scheduler._preempt_request",
         "Scheduler._handle_stopped_request",
+        "Scheduler._free_blocks",
     }
     assert all(t.without for t in left_out), "each optional target says what is lost"
 
