@@ -29,8 +29,9 @@ SPAN_STEP: Final = "vllm.step"
 # A request still in flight past VLLM_JOURNEY_OTEL_IN_FLIGHT_S: a snapshot of its
 # journey so far, a child of the root its final journey will have.
 SPAN_IN_FLIGHT: Final = "vllm.in_flight"
-# Disaggregated serving, the prefill side: the request's KV blocks kept for the
-# decode instance after the request ended, a child of the root that outlives it.
+# The request's KV blocks kept for its KV connector after the request ended
+# (disaggregated serving's prefill side: until the decode instance read them), a
+# child of the root that outlives it.
 SPAN_KV_HELD: Final = "vllm.kv_held"
 
 # The API server's part of a request (VLLM_JOURNEY_OTEL_API_SPANS): from the HTTP
@@ -357,7 +358,7 @@ ATTRIBUTES: Final[tuple[AttributeSpec, ...]] = (
         KV_REMOTE_REQUEST_ID,
         (SPAN_REQUEST,),
         "string",
-        "decode side: the prefill instance's request whose KV this request loaded",
+        "decode side: the request its kv_transfer_params name as its KV's source",
     ),
     AttributeSpec(
         KV_REMOTE_ENGINE_ID,
@@ -369,10 +370,10 @@ ATTRIBUTES: Final[tuple[AttributeSpec, ...]] = (
         KV_HELD_MS,
         (SPAN_REQUEST, SPAN_KV_HELD),
         "double",
-        "prefill side: the request's end to its KV blocks reported sent; absent if never",
+        "the request's end to vLLM freeing the KV blocks its connector kept; absent if never",
     ),
     AttributeSpec(
-        KV_HELD_BLOCKS, (SPAN_REQUEST, SPAN_KV_HELD), "int", "prefill side: KV blocks held"
+        KV_HELD_BLOCKS, (SPAN_REQUEST, SPAN_KV_HELD), "int", "KV blocks kept for the connector"
     ),
     AttributeSpec(
         KV_HELD_RELEASED,

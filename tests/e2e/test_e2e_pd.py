@@ -292,7 +292,7 @@ def test_the_tools_tell_the_two_instances_apart(pd, capsys: pytest.CaptureFixtur
     assert "decode instance" in out, out
     engine = roots["prefill"].resource[S.RES_KV_ENGINE_ID]
     assert (
-        f"its prompt's KV came from another instance: request {rid['prefill']} of engine {engine}"
+        f"the source of its prompt's KV: request {rid['prefill']} of engine {engine}"
         in out
     )
     assert cli_main(["explain", str(path), "--request", rid["prefill"]]) == 0

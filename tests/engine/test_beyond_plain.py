@@ -532,13 +532,16 @@ def test_wait_for_remote_kv(tracing, async_scheduling: bool, connector: str) -> 
     prefill = d.kids(S.SPAN_SCHEDULED)[0].children[0]
     assert prefill.attrs[S.CACHED_TOKENS] == 39
     # Aborted during the transfer: the wait lasts to the end; the transfer's end
-    # came after the journey's and is not reported (missing, not zero).
+    # came after the journey's and is not on the wait (missing, not zero). vLLM
+    # kept the blocks the load was writing until it finished: vllm.kv_held.
     gone = journeys["gone"]
     assert gone.attrs[S.FINISH_STATUS] == S.FINISH_ABORTED
     (gq,) = gone.kids(S.SPAN_QUEUED)
     (gw,) = gq.children
     assert gw.attrs == {S.WAIT_REASON: S.WAIT_REMOTE_KV}
     assert gw.end == gq.end == gone.end
+    (gh,) = gone.kids(S.SPAN_KV_HELD)
+    assert gh.attrs[S.KV_HELD_RELEASED] is True and gh.start == gone.end < gh.end
     # A failed load: vLLM's default policy ("fail") ends the request with an error.
     lost = journeys["lost"]
     assert lost.attrs[S.FINISH_STATUS] == S.FINISH_ERROR

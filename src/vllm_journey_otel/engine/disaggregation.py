@@ -41,7 +41,7 @@ _WAIT_REMOTE_KV = S.WAIT_REASONS.index(S.WAIT_REMOTE_KV)
 # Ids from a client's params are bounded: a request's params are user input.
 _MAX_ID = 256
 # Journeys held at once: vLLM holds their blocks too, so this is reached only by
-# a connector that never reports sends; past it a journey is handed on unreleased.
+# a connector that never reports sends; past it a journey is handed on at its end.
 _MAX_HELD = 65536
 _replace = msgspec.structs.replace
 # Set on the wrapper of Scheduler._free_blocks (scheduler_wrappers.py): without
@@ -67,12 +67,11 @@ class KvHandoff:
 
     def keeps_blocks(self, request: Any, j: RequestJourney) -> bool:
         """After ``_free_request``: True when vLLM kept the ended request's KV
-        blocks for the connector. Its root's ids are fixed now (the decode side
-        links to them)."""
-        if not self.sees_release or request.request_id not in self.scheduler.requests:
-            return False
-        j.link_target()
-        return True
+        blocks for the connector (and this process sees when it frees them). A
+        prefill-side request's root ids are fixed now: the decode side links to them."""
+        if _prefill_side(request.kv_transfer_params):
+            j.link_target()
+        return self.sees_release and request.request_id in self.scheduler.requests
 
     def ended(
         self, request: Any, finished: FinishedJourney, kv_params: Any, held: bool
@@ -80,20 +79,22 @@ class KvHandoff:
         """The ended journey to hand on, with what it says of remote KV; None:
         held here until its blocks are released (:meth:`outputs`)."""
         params = request.kv_transfer_params
-        if params:
+        if isinstance(params, dict) and params:  # user input: any JSON value
             remote = _remote(params)
             if remote is not None:
                 finished = _replace(finished, kv_remote=remote)
-        if not held:
-            return finished
-        if isinstance(kv_params, dict) and finished.root_ids is not None:
-            kv_params[KV_LINK_KEY] = {
-                "traceparent": _traceparent(finished),
-                "request_id": finished.request_id,
-                "engine_id": self.engine_id,
-            }
-        if len(self.held) >= _MAX_HELD:
-            return _replace(finished, kv_held=KvHeld(-1, finished.end.t_mono_ns, False))
+            elif (
+                _prefill_side(params)
+                and isinstance(kv_params, dict)
+                and finished.root_ids is not None
+            ):
+                kv_params[KV_LINK_KEY] = {
+                    "traceparent": _traceparent(finished),
+                    "request_id": finished.request_id,
+                    "engine_id": self.engine_id,
+                }
+        if not held or len(self.held) >= _MAX_HELD:
+            return finished  # past the bound the hold goes unobserved: no vllm.kv_held
         self.held[request.request_id] = (finished, _blocks(self.scheduler, request.request_id))
         return None
 
@@ -158,6 +159,12 @@ def _hit(manager: Any, request_id: str, invalid: set[int]) -> int:
     except Exception:  # a KV-cache manager without the public accessor
         return -1
     return 1 if any(b in invalid for g in groups for b in g) else 0
+
+
+def _prefill_side(params: Any) -> bool:
+    """The request is disaggregated serving's prefill part (its proxy asked for
+    a remote decode, as NIXL's own connector tells its prefill side)."""
+    return isinstance(params, dict) and bool(params.get("do_remote_decode"))
 
 
 def _blocks(scheduler: Any, request_id: str) -> int:

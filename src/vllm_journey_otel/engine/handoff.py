@@ -56,7 +56,7 @@ def _resource_attributes(owner: Any, engine: bool = True) -> dict[str, Any]:
     return {
         S.RES_MODEL: str(model),
         **rank,
-        **_kv_role(vc),
+        **_kv_role(vc, engine),
         S.RES_VLLM_VERSION: _STATE.vllm_version,
         S.RES_PLUGIN_VERSION: __version__,
         S.RES_HOST: socket.gethostname(),
@@ -64,13 +64,15 @@ def _resource_attributes(owner: Any, engine: bool = True) -> dict[str, Any]:
     }
 
 
-def _kv_role(vllm_config: Any) -> dict[str, Any]:
-    """Disaggregated serving: this instance's part, from --kv-transfer-config."""
+def _kv_role(vllm_config: Any, engine: bool) -> dict[str, Any]:
+    """Disaggregated serving: this instance's part, from --kv-transfer-config;
+    an engine core's connector engine id (an API server's config has the base
+    id, which each data-parallel rank's engine core suffixes with its rank)."""
     ktc = getattr(vllm_config, "kv_transfer_config", None)
     role = S.KV_ROLES.get(str(getattr(ktc, "kv_role", None)))
     if ktc is None or role is None:
         return {}
-    engine_id = getattr(ktc, "engine_id", None)
+    engine_id = getattr(ktc, "engine_id", None) if engine else None
     return {S.RES_KV_ROLE: role, **({S.RES_KV_ENGINE_ID: str(engine_id)} if engine_id else {})}
 
 

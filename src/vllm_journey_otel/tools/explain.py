@@ -95,6 +95,7 @@ def _where_and_kv(e: Explanation, root: FileSpan) -> None:
     if S.RES_KV_ROLE in r:
         parts.append(f"{r[S.RES_KV_ROLE]} instance")
     e.where = ", ".join(parts)
+    e.kv_role = str(r[S.RES_KV_ROLE]) if S.RES_KV_ROLE in r else None
     e.kv_held_ms = _opt_float(a, S.KV_HELD_MS)
     remote = a.get(S.KV_REMOTE_REQUEST_ID)
     if remote is not None or S.KV_REMOTE_ENGINE_ID in a:
@@ -186,6 +187,7 @@ class Explanation:
     # decode side (ms, None: not held or not released); the decode side's source.
     kv_held_ms: float | None = None
     kv_from: str | None = None
+    kv_role: str | None = None
 
     def by_cause(self) -> dict[str, float]:
         """Milliseconds per cause, in journey order."""

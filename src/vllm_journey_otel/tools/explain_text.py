@@ -136,10 +136,11 @@ def _details(e: Explanation) -> list[str]:
         )
     lines += _edges(e, totals)
     if e.kv_from is not None:
-        lines.append(f"  its prompt's KV came from another instance: {e.kv_from}")
+        lines.append(f"  its kv_transfer_params name the source of its prompt's KV: {e.kv_from}")
     if e.kv_held_ms is not None:
+        whom = "the decode instance" if e.kv_role == "prefill" else "its KV connector"
         lines.append(
-            f"  after its end its KV blocks stayed held for the decode instance "
+            f"  after its end its KV blocks stayed held for {whom} "
             f"{e.kv_held_ms:.1f} ms (vllm.kv_held)"
         )
     return lines

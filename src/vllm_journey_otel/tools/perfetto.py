@@ -19,8 +19,8 @@ holds) and the args keep each span's exact ``start_unix_ns`` and ``end_unix_ns``
 Bounded memory, two passes: pass 1 keeps a few numbers per journey and the
 slowest ``--limit`` roots; pass 2 holds a kept journey's spans only until all of
 them (counted in pass 1) were read. A span sticking out of its parent or
-overlapping its previous sibling (the plugin emits none) is clamped so nesting
-holds; its args keep its own times.
+overlapping its previous sibling is clamped so nesting holds (the root's slice
+widens to hold ``vllm.kv_held``, which follows it); args keep the span's times.
 """
 
 from __future__ import annotations
@@ -49,13 +49,10 @@ _CYCLES = frozenset({S.SPAN_QUEUED, S.SPAN_SCHEDULED, S.SPAN_PREEMPTED})
 _PHASES = frozenset({S.SPAN_PREFILL, S.SPAN_DECODE, S.SPAN_WAIT})
 # Counter tracks from the vllm.step attributes: (track name, attribute).
 COUNTERS = (
-    ("batch size", S.STEP_BATCH_SIZE),
-    ("KV-cache usage", S.KV_CACHE_USAGE),
-    ("running", S.NUM_RUNNING),
-    ("waiting", S.NUM_WAITING),
-    ("prefill tokens", S.STEP_PREFILL_TOKENS),
-    ("decode tokens", S.STEP_DECODE_TOKENS),
-)
+    ("batch size", S.STEP_BATCH_SIZE), ("KV-cache usage", S.KV_CACHE_USAGE),
+    ("running", S.NUM_RUNNING), ("waiting", S.NUM_WAITING),
+    ("prefill tokens", S.STEP_PREFILL_TOKENS), ("decode tokens", S.STEP_DECODE_TOKENS),
+)  # fmt: skip
 _DOUBLE_COUNTERS = frozenset({S.KV_CACHE_USAGE})
 _SEQ = 1  # trusted_packet_sequence_id of every packet
 _BOOTTIME, _REALTIME = 6, 1  # BuiltinClocks
@@ -70,8 +67,7 @@ def _id(hex_id: str) -> int:
         return hash(hex_id)
 
 
-def _instance(resource: dict[str, Any]) -> tuple[str, str]:
-    """(host, its instance: data-parallel rank, disaggregated role)."""
+def _instance(resource: dict[str, Any]) -> tuple[str, str]:  # host, rank and role
     rank, role = resource.get(S.RES_DP_RANK), resource.get(S.RES_KV_ROLE)
     tag = " ".join(([] if rank is None else [f"dp={rank}"]) + ([] if role is None else [str(role)]))
     return str(resource.get(S.RES_HOST, "unknown host")), tag
@@ -205,6 +201,8 @@ def tree(spans: list[FileSpan]) -> _Node | None:
         parent = nodes.get(n.span.parent_span_id)
         if n is not root and parent is not None:
             parent.children.append(n)
+            if n.span.name == S.SPAN_KV_HELD:
+                root.end = max(root.end, n.end)
     _clamp(root)
     return root
 

@@ -103,7 +103,7 @@ class Summary:
     # Remote KV loads (remote_kv waits whose transfer end was reported).
     kv_transfer_ms: list[float] = field(default_factory=list)
     kv_transfer_failed: int = 0
-    # Disaggregated serving, the prefill side: KV blocks held for the decode side.
+    # KV blocks kept for the connector after the end (disaggregated prefill side).
     kv_held_ms: list[float] = field(default_factory=list)
     kv_held_unreleased: int = 0
     spec_requests: int = 0
@@ -329,7 +329,8 @@ def _kv_lines(kv: dict[str, Any] | None, held: dict[str, Any] | None) -> list[st
     if held:
         count = held["ms"]["count"] if held["ms"] else 0
         lines.append(
-            f"KV blocks held for a decode instance: {count} released, "
+            f"KV blocks kept for the KV connector after the end (a prefill instance's: "
+            f"for the decode side): {count} released, "
             f"{held['unreleased']} still held at shutdown"
         )
     return lines
