@@ -16,6 +16,10 @@ moved (the decode instance's text equals its own local prefill's).
 from __future__ import annotations
 
 import json
+import re
+import shutil
+import subprocess
+import tempfile
 import urllib.error
 from pathlib import Path
 from typing import Any
@@ -271,6 +275,7 @@ def test_the_hand_offs_that_go_wrong_end_with_a_status(pd) -> None:  # type: ign
 def test_the_tools_tell_the_two_instances_apart(pd, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
     """explain says where each journey ran and its KV hand-off; summary counts the
     holds and loads; Perfetto draws each instance as its own process."""
+    from vllm_journey_otel.tools.cli import CHROMIUM_FLAGS
     from vllm_journey_otel.tools.cli import main as cli_main
     from vllm_journey_otel.tools.tracefile import read_spans
 
@@ -291,10 +296,7 @@ def test_the_tools_tell_the_two_instances_apart(pd, capsys: pytest.CaptureFixtur
     out = capsys.readouterr().out
     assert "decode instance" in out, out
     engine = roots["prefill"].resource[S.RES_KV_ENGINE_ID]
-    assert (
-        f"the source of its prompt's KV: request {rid['prefill']} of engine {engine}"
-        in out
-    )
+    assert f"the source of its prompt's KV: request {rid['prefill']} of engine {engine}" in out
     assert cli_main(["explain", str(path), "--request", rid["prefill"]]) == 0
     out = capsys.readouterr().out
     assert "prefill instance" in out and "stayed held for the decode instance" in out, out
@@ -307,6 +309,21 @@ def test_the_tools_tell_the_two_instances_apart(pd, capsys: pytest.CaptureFixtur
     events = json.loads(out_path.read_text())
     events = events["traceEvents"] if isinstance(events, dict) else events
     names = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
-    assert any(n.endswith(" prefill") for n in names) and any(
-        n.endswith(" decode") for n in names
-    ), names
+    assert any(n.endswith(" prefill") for n in names), names
+    assert any(n.endswith(" decode") for n in names), names
+    # The timeline page: the clicked decode request explained with where it ran.
+    html = kv_dir.parent / "pd.html"
+    assert cli_main(["timeline", str(path), "-o", str(html)]) == 0
+    capsys.readouterr()
+    chromium = shutil.which("chromium")
+    assert chromium, "chromium is required (scripts/setup_chromium.sh)"
+    with tempfile.TemporaryDirectory() as profile:
+        run = subprocess.run(
+            [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--window-size=1400,900",
+             "--virtual-time-budget=10000", "--dump-dom",
+             f"{html.as_uri()}#request={rid['decode']}"],
+            capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+    panel = re.search(r'<div id="explain"[^>]*>(.*?)</div>', run.stdout, re.S)
+    assert panel is not None, run.stderr[-2000:]
+    assert "decode instance" in panel.group(1) and "source of its prompt" in panel.group(1)

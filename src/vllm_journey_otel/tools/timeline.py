@@ -168,6 +168,9 @@ def _explained(row: _Row) -> dict[str, Any] | None:
         "dec": [e.decode_tokens, r3(e.decode_ms_per_token)],
         "pf": [e.prefill_chunks, e.prefill_cached_tokens],
         "e2e": r3(e.e2e_ms),
+        # Where it ran (host, data-parallel rank, disaggregated role), its KV hand-off.
+        "w": e.where or None,
+        "kv": [e.kv_from, r3(e.kv_held_ms), e.kv_role],
     }
 
 
@@ -325,7 +328,8 @@ function engine(kv, run, wait){
 }
 function explainText(d){
   const x = d.x; if (!x) return d.id + ": no explanation";
-  const L = [d.id + "  " + (d.a[K.status] || "") + ", " + x.e2e.toFixed(1) + " ms end to end"];
+  const L = [d.id + "  " + (d.a[K.status] || "") + ", " + x.e2e.toFixed(1) + " ms end to end"
+    + (x.w ? "; ran on " + x.w : "")];
   let big = null;
   for (const [c, ms] of x.c){ if (!big || ms > big[1]) big = [c, ms]; }
   if (big) L.push("Most of its time: " + big[0] + ", " + big[1].toFixed(1) + " ms ("
@@ -338,6 +342,9 @@ function explainText(d){
   if (x.pf[0] !== null) L.push("prefill: " + n(x.pf[0]) + " chunk(s), " + n(x.pf[1]) + " cached tokens");
   if (x.dec[0] !== null) L.push("decode: " + x.dec[0] + " tokens, "
     + (x.dec[1] === null ? "not observed" : x.dec[1].toFixed(2) + " ms/token"));
+  if (x.kv[0] !== null) L.push("its kv_transfer_params name the source of its prompt's KV: " + x.kv[0]);
+  if (x.kv[1] !== null) L.push("after its end its KV blocks stayed held for "
+    + (x.kv[2] === "prefill" ? "the decode instance " : "its KV connector ") + x.kv[1].toFixed(1) + " ms");
   L.push("", "vllm-journey explain " + (SOURCE || "FILE") + " --request " + d.id);
   return L.join("\\n");
 }
