@@ -1,9 +1,10 @@
 """The offline tools on real served runs, with the product's defaults (the API
 server's spans on): ``explain`` on the whole journey and ``diff`` of two runs.
 
-Three runs of a real `vllm serve` writing trace files, identical but for the KV
-cache: a burst of 64 concurrent 256-token completions (``ignore_eos``) against
-a 1 MiB KV cache (preemptions forced) and twice against the default 256 MiB.
+Two real `vllm serve` writing trace files, identical but for the KV cache: a
+burst of 64 concurrent 256-token completions (``ignore_eos``) against a 1 MiB
+KV cache (preemptions forced), and two such bursts one after the other against
+the default 256 MiB (a run and its rerun, each cut into a file of its own).
 Figures are checked against the spans in the files and vLLM's own counters;
 never timings, except that the small cache's queueing and preemption stay
 beyond the noise of two runs, which the gate is tested on both ways.
@@ -14,13 +15,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
 from conftest import requires_vllm
+from otlp_receiver import wire_spans
 from services import metric_value, wait_until
 from serving import client, start_server
 from vllm_journey_otel import schema as S
@@ -39,47 +42,95 @@ SMALL_KV, DEFAULT_KV = "1M", "256M"
 GATE = ["--fail-if", "preempted.p90 > +100ms", "--fail-if", "queued.p90 > +200ms"]
 
 
-def _serve_burst(model_dir: Path, tmp: Path, receiver: Any, kv: str) -> tuple[Path, float]:
-    """One run: a fresh server with the defaults (API spans on) writing a trace
-    file, the burst, and vLLM's own preemption count."""
+class Run(NamedTuple):
+    """One served burst: its own trace file, vLLM's preemption count after it,
+    and the usage the client was told."""
+
+    path: Path
+    preemptions: float
+    input_tokens: int
+    output_tokens: int
+
+
+def _burst(server: Any) -> tuple[int, int]:
+    c = client(server)
+    with ThreadPoolExecutor(BURST) as pool:
+        usages = list(
+            pool.map(
+                lambda i: c.completions.create(
+                    model=server.model, prompt=f"burst {i} " * 6, max_tokens=TOKENS,
+                    extra_body={"ignore_eos": True},
+                ).usage,
+                range(BURST),
+            )
+        )  # fmt: skip
+    return sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages)
+
+
+def _cut(path: Path, trace_ids: set[str], out: Path) -> Path:
+    """The spans of ``path`` in these traces, as a trace file of their own."""
+    with path.open() as src, out.open("w") as dst:
+        for line in src:
+            batch = json.loads(line)
+            for rs in batch["resourceSpans"]:
+                for ss in rs["scopeSpans"]:
+                    ss["spans"] = [x for x in ss["spans"] if x["traceId"] in trace_ids]
+            dst.write(json.dumps(batch) + "\n")
+    return out
+
+
+def _serve_bursts(model_dir: Path, tmp: Path, receiver: Any, kv: str, bursts: int) -> list[Run]:
+    """A fresh server with the defaults (API spans on) writing a trace file,
+    and ``bursts`` bursts one after the other. Once the server has stopped (its
+    exporters flushed), each burst's traces (those whose vllm.api.request began
+    while its client sent) are cut into a file of their own."""
     trace_file = tmp / "journeys.otlp.jsonl"
     server = start_server(
         model_dir, tmp, receiver, "3proc", max_model_len=512, kv_cache_bytes=kv,
         env={"OTEL_TRACES_EXPORTER": "otlp_json_file", "VLLM_JOURNEY_OTEL_FILE": str(trace_file)},
     )  # fmt: skip
+    told: list[tuple[float, int, int, int, int]] = []
+    counted = 0.0  # vLLM's preemptions in earlier bursts (its counter is cumulative)
     try:
-        c = client(server)
-        with ThreadPoolExecutor(BURST) as pool:
-            list(
-                pool.map(
-                    lambda i: c.completions.create(
-                        model=server.model, prompt=f"burst {i} " * 6, max_tokens=TOKENS,
-                        extra_body={"ignore_eos": True},
-                    ),
-                    range(BURST),
-                )
-            )  # fmt: skip
-        preemptions = metric_value(server.metrics(), "vllm:num_preemptions_total")
+        for _ in range(bursts):
+            t0 = time.time_ns()
+            tokens = _burst(server)
+            t1 = time.time_ns()
+            total = metric_value(server.metrics(), "vllm:num_preemptions_total")
+            told.append((total - counted, t0, t1, *tokens))
+            counted = total
     finally:
         server.stop()
 
-    def all_written() -> bool:
+    def all_written() -> list[FileSpan]:
         if not trace_file.exists():
-            return False
-        names = [s.name for s in read_spans([trace_file])]
-        return names.count(S.SPAN_REQUEST) == names.count(S.SPAN_API) == BURST
+            return []
+        spans = list(read_spans([trace_file]))
+        names = [s.name for s in spans]
+        whole = names.count(S.SPAN_REQUEST) == names.count(S.SPAN_API) == bursts * BURST
+        return spans if whole else []
 
-    wait_until(all_written, 30, 0.5, f"{BURST} journeys, engine and API, in the trace file")
-    return trace_file, preemptions
+    spans = wait_until(all_written, 30, 0.5, f"{bursts} x {BURST} journeys in the trace file")
+    runs = []
+    for k, (preemptions, t0, t1, *tokens) in enumerate(told):
+        traces = {s.trace_id for s in spans if s.name == S.SPAN_API and t0 <= s.start_unix_ns <= t1}
+        assert len(traces) == BURST, f"burst {k}: {len(traces)} API requests in its time"
+        path = _cut(trace_file, traces, tmp / f"burst-{k}.otlp.jsonl")
+        runs.append(Run(path, preemptions, *tokens))
+    return runs
 
 
 @pytest.fixture(scope="module")
-def runs(model_dir, module_receiver, tmp_path_factory) -> dict[str, tuple[Path, float]]:  # type: ignore[no-untyped-def]
-    out = {}
-    for name, kv in (("small", SMALL_KV), ("default", DEFAULT_KV), ("rerun", DEFAULT_KV)):
-        out[name] = _serve_burst(model_dir, tmp_path_factory.mktemp(name), module_receiver, kv)
-    assert out["small"][1] > 0, "precondition: the small KV cache forced preemptions"
-    return out
+def runs(model_dir, module_receiver, tmp_path_factory) -> dict[str, Run]:  # type: ignore[no-untyped-def]
+    """The small cache once; the default twice on one server (the rerun)."""
+    (small,) = _serve_bursts(
+        model_dir, tmp_path_factory.mktemp("small"), module_receiver, SMALL_KV, 1
+    )
+    default, rerun = _serve_bursts(
+        model_dir, tmp_path_factory.mktemp("default"), module_receiver, DEFAULT_KV, 2
+    )
+    assert small.preemptions > 0, "precondition: the small KV cache forced preemptions"
+    return {"small": small, "default": default, "rerun": rerun}
 
 
 def _reader(path: Path) -> J.Reader:
@@ -105,8 +156,27 @@ def _index(
     return spans, apis, sides, engine
 
 
+def test_the_embedded_default_a_trace_file_summarised(runs, module_receiver) -> None:  # type: ignore[no-untyped-def]
+    """The file exporter replaces OTLP: the served run is all in the file, as
+    the client was told, and none of it reached the OTLP endpoint."""
+    from vllm_journey_otel.tools.summary import summarize
+
+    run = runs["default"]
+    d = summarize(read_spans([run.path])).to_dict()
+    assert d["journeys"] == BURST
+    assert d["finish_status"] == {"length": BURST}
+    assert d["tokens"]["output"] == run.output_tokens == BURST * TOKENS
+    assert d["tokens"]["input"] == run.input_tokens
+    assert d["phases_ms"]["decode"]["count"] == BURST
+    traces = {s.trace_id for s in read_spans([run.path]) if s.name == S.SPAN_REQUEST}
+    assert len(traces) == BURST
+    assert not {s.context.trace_id for s in wire_spans(module_receiver)} & {
+        int(t, 16) for t in traces
+    }
+
+
 def test_explain_tells_the_whole_journey(runs) -> None:  # type: ignore[no-untyped-def]
-    path, preempted_total = runs["small"]
+    path, preempted_total = runs["small"].path, runs["small"].preemptions
     spans, apis, sides, engine = _index(path)
     phases: dict[str, list[FileSpan]] = {}
     for s in spans:
@@ -155,7 +225,7 @@ def test_explain_tells_the_whole_journey(runs) -> None:  # type: ignore[no-untyp
 
 
 def test_the_timeline_draws_the_whole_journey(runs) -> None:  # type: ignore[no-untyped-def]
-    path, _ = runs["small"]
+    path = runs["small"].path
     _, apis, sides, engine = _index(path)
     rows, total = collect(_reader(path))
     assert total == len(rows) == BURST
@@ -175,7 +245,7 @@ def test_the_timeline_draws_the_whole_journey(runs) -> None:  # type: ignore[no-
 
 
 def test_explain_by_server_ttft(runs) -> None:  # type: ignore[no-untyped-def]
-    path, _ = runs["small"]
+    path = runs["small"].path
     apis = [s for s in read_spans([path]) if s.name == S.SPAN_API]
     got, _ = J.explanations(_reader(path), J.Selection(slowest=3, by=J.BY_TTFT))
     expect = sorted((a.attributes[S.API_TTFT_MS] for a in apis), reverse=True)[:3]
@@ -190,7 +260,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_diff_says_what_the_small_cache_made_worse(runs, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    base, new = str(runs["default"][0]), str(runs["small"][0])
+    base, new = str(runs["default"].path), str(runs["small"].path)
     r = _cli("diff", base, new, "--json", *GATE, "--html", str(tmp_path / "diff.html"))
     assert r.returncode == 1, r.stderr
     d = json.loads(r.stdout)
@@ -218,11 +288,11 @@ def test_diff_says_what_the_small_cache_made_worse(runs, tmp_path) -> None:  # t
 
 
 def test_diff_of_two_runs_of_one_configuration_passes_the_gate(runs) -> None:  # type: ignore[no-untyped-def]
-    r = _cli("diff", str(runs["default"][0]), str(runs["rerun"][0]), *GATE)
+    r = _cli("diff", str(runs["default"].path), str(runs["rerun"].path), *GATE)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "FAILED" not in r.stdout and f"{BURST} journeys" in r.stdout
     # A rule on a quantile these journeys cannot bound fails rather than pass blind.
-    base, rerun = str(runs["default"][0]), str(runs["rerun"][0])
+    base, rerun = str(runs["default"].path), str(runs["rerun"].path)
     r = _cli("diff", base, rerun, "--fail-if", "queued.p99 > +1000ms")
     assert r.returncode == 1 and "too few to tell" in r.stderr
 
@@ -231,7 +301,7 @@ def test_a_closed_pipe_ends_quietly(runs) -> None:  # type: ignore[no-untyped-de
     """A reader that went away: the shell's code for it (141) or 0, no traceback.
     ``true`` reads nothing and has exited long before the tool writes: every
     write fails, so the broken pipe is certain there; ``head -1`` is the usual case."""
-    path = str(runs["small"][0])
+    path = str(runs["small"].path)
     cli = f"{sys.executable} -m vllm_journey_otel.tools.cli explain {path} --slowest 32"
     for reader, codes in (("true", {141}), ("head -1", {0, 141})):
         r = subprocess.run(
