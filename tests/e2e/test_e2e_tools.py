@@ -268,16 +268,16 @@ def test_diff_says_what_the_small_cache_made_worse(runs, tmp_path) -> None:  # t
     phases = {p["phase"]: p for p in d["phases"]}
     for phase in ("queued", "preempted", "e2e"):
         q = phases[phase]["quantiles"]
-        assert q["p90"]["new"] > q["p90"]["base"], (phase, q)
         # Too few journeys to bound a p99: never called beyond the noise.
         assert not q["p99"]["resolved"] and not q["p99"]["beyond_noise"]
-    # Beyond the noise: the waits the small cache made, at their tail. End to end
-    # only at its median: with 64 journeys the upper end of the base's p90
-    # interval is its slowest journey, which one slow request of a cold server
-    # decides, so a p90 there is honestly not resolved apart every time.
-    for phase, at in (("queued", "p90"), ("preempted", "p90"), ("e2e", "p50")):
-        q = phases[phase]["quantiles"][at]
-        assert q["new"] > q["base"] and q["beyond_noise"], (phase, at, q)
+    # Beyond the noise: the waits the small cache made, at their tail. Not end to
+    # end: on this CPU the tiny model's recompute after a preemption costs about
+    # what the queueing saves, and e2e p50 came out lower with the small cache
+    # once (2,235 against 2,267 ms), so which way it moves is not a property of
+    # the tool.
+    for phase in ("queued", "preempted"):
+        q = phases[phase]["quantiles"]["p90"]
+        assert q["new"] > q["base"] and q["beyond_noise"], (phase, q)
     assert phases["preempted"]["quantiles"]["p90"]["base"] == 0.0  # observed, never preempted
     assert phases["preempted"]["count"] == [BURST, BURST]
     # Both rules failed, each named with its figures.

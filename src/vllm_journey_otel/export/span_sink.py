@@ -197,20 +197,23 @@ class SpanSink:
                 self.acks.write(self._records_through + self._records_unbuilt)
 
     def _spans(self, journey: Record) -> list[Any]:
-        offset_ns = self._clock.anchor.offset_ns
+        # One offset per record, the wall clock's at the record's first stamp
+        # (clock.py): its intervals stay the monotonic clock's own.
         links: Sequence[Link] = ()
         parent: SpanContext | None = None
         if isinstance(journey, StepRecord):
-            plan = [plan_step(journey, offset_ns)]
+            plan = [plan_step(journey, self._clock.at(journey.start_mono_ns).offset_ns)]
         elif isinstance(journey, InFlight):
+            offset_ns = self._clock.at(journey.journey.admitted.t_mono_ns).offset_ns
             span, parent = plan_in_flight(journey, offset_ns)
             plan = [span]
         elif isinstance(journey, ApiJourney):
+            offset_ns = self._clock.at(journey.receipt_mono_ns).offset_ns
             plan, parent, links = plan_api(journey, offset_ns)
             self._health_attributes(plan[ROOT].attributes)
         else:
             self.health.journeys += 1
-            anchor = self._clock.anchor
+            anchor = self._clock.at(journey.admitted.t_mono_ns)
             plan = plan_spans(journey, anchor.offset_ns, anchor.uncertainty_ns)
             self._health_attributes(plan[ROOT].attributes)
             parent, links = root_context(journey)
