@@ -10,8 +10,9 @@ cd "$(dirname "$0")/.."
 # venv and the vLLM release sources it reads; Debian's packages and the backends'
 # venv (Phoenix + rotel for the end-to-end tests, Chromium for the timeline tests).
 mkdir -p .cache
-# What this script started in the background stops with it, however it ends.
-trap 'kill $(jobs -p) 2>/dev/null || true' EXIT
+# The background jobs and the commands they run (pip, pytest) stop when this
+# script exits early (a failure, or a signal it can trap).
+trap 'for job in $(jobs -p); do pkill -TERM -P "$job" 2>/dev/null || true; kill "$job" 2>/dev/null || true; done' EXIT
 ( bash scripts/setup.sh --with-test-tools && bash scripts/fetch_vllm.sh 0.30.0 0.31.0 0.33.0 ) \
   > .cache/setup-vllm.log 2>&1 &
 VLLM_SETUP=$!

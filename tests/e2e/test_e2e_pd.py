@@ -207,7 +207,7 @@ def client_for(base: str, headers: dict[str, str]):  # type: ignore[no-untyped-d
 
 def _load_times(kv_dir: Path, decode_request_id: object) -> tuple[int, int]:
     """The decode worker's own stamps of its load (wall clock, epoch ns), which
-    tests/file_kv_connector.py writes beside the KV files, widened by SLACK_NS for
+    tests/file_kv_connector.py writes beside the KV files, each moved SLACK_NS inwards for
     the two processes' clock readings (our spans' epoch times come from each
     process's monotonic clock and its anchor)."""
     path = kv_dir / f"load.{decode_request_id}.json"
