@@ -83,10 +83,15 @@ DECODER = msgspec.msgpack.Decoder(Frame)
 
 
 # The exporter reads the pipe at most this often while journeys keep coming:
-# twice the engine's hand-off interval (pipeline.PUBLISH_INTERVAL_NS), so a
-# read mostly finds a frame waiting and the reader is rarely blocked in read()
-# when the engine thread writes.
-READ_PACE_S = 0.05
+# twenty of the engine's hand-off intervals (pipeline.PUBLISH_INTERVAL_NS), so
+# a read finds frames waiting and the reader is rarely blocked in read() when
+# the engine thread writes, and the exporter's work comes in bursts of many
+# journeys: per journey, a burst every 0.5 s cost the exporters of a busy
+# `vllm serve` about two thirds of what one every 50 ms did (the wake-ups of
+# its threads and caches refilled each time; docs/performance.md). The 1 MiB
+# pipe holds over a second of a busy server's frames, and a full read never
+# pauses.
+READ_PACE_S = 0.5
 _READ_CHUNK = 1 << 20
 
 
@@ -156,9 +161,12 @@ class FrameReader:
             if stop is not None and not draining and stop():
                 draining = True
             if pace_s > 0 and not draining and 0 <= last < _READ_CHUNK and not buf:
-                rest = read_at + pace_s - clock()
-                if rest > 0:
-                    time.sleep(rest)
+                # In slices, so a stop is noticed within _STOP_POLL_S here too.
+                while (rest := read_at + pace_s - clock()) > 0:
+                    time.sleep(min(rest, _STOP_POLL_S) if stop is not None else rest)
+                    if stop is not None and stop():
+                        draining = True
+                        break
             if stop is not None:
                 if not draining:
                     while not select.select([fd], [], [], _STOP_POLL_S)[0]:

@@ -614,6 +614,30 @@ def test_a_stop_request_reads_what_is_in_the_pipe_then_ends() -> None:
         os.close(w)
 
 
+def test_a_stop_request_during_the_pace_ends_the_read_without_waiting_it_out() -> None:
+    """The paced read sleeps between reads; a SIGTERM meanwhile is noticed within
+    the stop poll (0.25 s), not after the rest of the pace: a container's stop
+    grace is short."""
+    from vllm_journey_otel.wire import FrameReader
+
+    r, w = os.pipe()
+    stop = threading.Event()
+    try:
+        os.write(w, PipeSink._frame(journeys(2), 0))
+        got: list[object] = []
+        with os.fdopen(os.dup(r), "rb") as f:
+            threading.Timer(0.1, stop.set).start()
+            began = time.monotonic()
+            for frame in FrameReader().frames(f, pace_s=5.0, stop=stop.is_set):
+                got.append(frame)
+            ended = time.monotonic() - began
+        assert len(got) == 1
+        assert ended < 2.0, f"the read ended {ended:.2f} s after it began (pace 5 s)"
+    finally:
+        os.close(r)
+        os.close(w)
+
+
 def test_drain_thread_sleeps_while_the_owner_hands_on_and_wakes_when_declined(pipes) -> None:  # type: ignore[no-untyped-def]
     """The drain thread shares the owner's GIL at nice 19: while the owner's own
     hand-offs go through it must not wake on a timer (each wake-up makes the
