@@ -13,6 +13,7 @@ threads, read by the engine core when that exporter is gone. Clock:
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import select
@@ -87,12 +88,13 @@ DECODER = msgspec.msgpack.Decoder(Frame)
 # a read finds frames waiting and the reader is rarely blocked in read() when
 # the engine thread writes, and the exporter's work comes in bursts of many
 # journeys: per journey, a burst every 0.5 s cost the exporters of a busy
-# `vllm serve` about two thirds of what one every 50 ms did (the wake-ups of
-# its threads and caches refilled each time; docs/performance.md). The 1 MiB
-# pipe holds over a second of a busy server's frames, and a full read never
-# pauses.
+# `vllm serve` 0.7 to 0.85 of what one every 50 ms did (the wake-ups of its
+# threads and caches refilled each time; docs/performance.md). The 1 MiB
+# pipe holds over a second of a busy server's frames, and a read of half the
+# pipe or more never pauses.
 READ_PACE_S = 0.5
 _READ_CHUNK = 1 << 20
+F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)  # Linux
 
 
 # While a stop may be requested, the reader waits in select() this long at a
@@ -129,8 +131,9 @@ class FrameReader:
         writer's core): paced, the exporter is asleep or busy when the engine
         thread writes, and blocks (no CPU) only when nothing came during the
         pause. Frames wait at most ``pace_s`` longer; a busy exporter (handling
-        takes longer, or a full read) and a frame still arriving never pause, so
-        capacity is unchanged. A partial frame at end-of-file is dropped.
+        takes longer, or a read of half the pipe or more) and a frame still
+        arriving never pause, so capacity is unchanged. A partial frame at
+        end-of-file is dropped.
 
         ``stop`` (the exporter's SIGTERM flag): once it returns True, what is
         already in the pipe is read without waiting and the iteration ends.
@@ -160,7 +163,7 @@ class FrameReader:
             self._pos = 0
             if stop is not None and not draining and stop():
                 draining = True
-            if pace_s > 0 and not draining and 0 <= last < _READ_CHUNK and not buf:
+            if pace_s > 0 and not draining and 0 <= last < _busy_read(stream) and not buf:
                 # In slices, so a stop is noticed within _STOP_POLL_S here too.
                 while (rest := read_at + pace_s - clock()) > 0:
                     time.sleep(min(rest, _STOP_POLL_S) if stop is not None else rest)
@@ -189,6 +192,18 @@ class FrameReader:
             read_at = clock()
             last = len(chunk)
             buf += chunk
+
+
+def _busy_read(stream: IO[bytes]) -> int:
+    """A read of this many bytes or more means the writer is ahead: read again
+    at once. Half the pipe's capacity (the engine core sets it after the
+    exporter starts, 1 MiB where the system allows, else the 64 KiB default),
+    so a pause never lets the pipe fill and the engine side's writes be
+    declined; the read size where the stream is not a pipe."""
+    try:
+        return min(_READ_CHUNK, int(fcntl.fcntl(stream.fileno(), F_GETPIPE_SZ)) // 2)
+    except (OSError, ValueError):  # not a pipe, no descriptor (io.UnsupportedOperation)
+        return _READ_CHUNK
 
 
 def read_frames(stream: IO[bytes], pace_s: float = 0.0) -> Iterator[Frame]:

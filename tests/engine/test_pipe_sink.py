@@ -283,6 +283,31 @@ def test_paced_reader_does_not_pause_inside_a_frame(pipes) -> None:  # type: ign
     assert at - began < 0.5  # one pause per piece would take seconds
 
 
+def test_paced_reader_reads_again_at_once_when_half_the_pipe_came(pipes) -> None:  # type: ignore[no-untyped-def]
+    """Where the system leaves the pipe at 64 KiB, a pause after a read of half
+    of it or more could let the pipe fill and the engine side's writes be
+    declined: such a read is followed by the next one at once."""
+    (r, w), _ = pipes
+    fcntl.fcntl(w, F_SETPIPE_SZ, 65536)
+    first = PipeSink._frame(journeys(300), 0)
+    assert 32768 <= len(first) < 65536, f"precondition: {len(first)} bytes"
+    os.write(w, first)
+
+    def later() -> None:
+        time.sleep(0.1)
+        os.write(w, PipeSink._frame(journeys(1, 500), 0))
+        os.close(w)
+
+    t = threading.Thread(target=later)
+    with os.fdopen(os.dup(r), "rb") as f:
+        began = time.monotonic()
+        t.start()
+        at = [time.monotonic() - began for _ in read_frames(f, pace_s=1.0)]
+    t.join()
+    assert len(at) == 2
+    assert at[1] < 0.6, f"the second frame came out {at[1]:.2f} s in (pace 1 s)"
+
+
 def test_reader_on_a_drained_non_blocking_pipe_returns(pipes) -> None:  # type: ignore[no-untyped-def]
     """The exporter's last drain at SIGTERM: what is in the pipe comes out, then
     the read ends instead of blocking (the writer is still open)."""
