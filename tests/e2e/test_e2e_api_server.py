@@ -144,8 +144,8 @@ def _completion(server: VllmServer, stream: bool, n: int = 1) -> tuple[int, int]
             max_tokens=8, stream=True, extra_headers={"traceparent": tp},
             extra_body={"ignore_eos": True}, stream_options={"include_usage": True},
         )  # fmt: skip
-        # Counted by the usage chunk, not by chunks: vLLM sends no chunk for a token whose
-        # text is empty (a partial UTF-8 sequence of the random-weight model).
+        # Counted by the usage chunk, not by chunks: vLLM merges several tokens' deltas
+        # into one chunk when its handler lags behind the engine (a busy event loop).
         usage = [chunk.usage for chunk in chunks if chunk.usage is not None]
         assert [u.completion_tokens for u in usage] == [8]
     else:

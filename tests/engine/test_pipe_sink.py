@@ -650,14 +650,16 @@ def test_a_stop_request_during_the_pace_ends_the_read_without_waiting_it_out() -
     try:
         os.write(w, PipeSink._frame(journeys(2), 0))
         got: list[object] = []
+        timer = threading.Timer(0.1, stop.set)  # once the reader is in its pause
         with os.fdopen(os.dup(r), "rb") as f:
-            threading.Timer(0.1, stop.set).start()
-            began = time.monotonic()
             for frame in FrameReader().frames(f, pace_s=5.0, stop=stop.is_set):
                 got.append(frame)
+                began = time.monotonic()
+                timer.start()
             ended = time.monotonic() - began
+        timer.join()
         assert len(got) == 1
-        assert ended < 2.0, f"the read ended {ended:.2f} s after it began (pace 5 s)"
+        assert ended < 2.0, f"the read ended {ended:.2f} s after its first frame (pace 5 s)"
     finally:
         os.close(r)
         os.close(w)

@@ -15,7 +15,6 @@ CPUs (``export/cpu_placement.py``).
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import multiprocessing
 import os
@@ -23,7 +22,10 @@ import subprocess
 import sys
 from collections import deque
 
+from vllm_journey_otel.log import logger
+
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # Linux
+PIPE_BYTES = 1 << 20
 
 
 def placement_roots() -> list[int]:
@@ -86,8 +88,14 @@ def launch(
     if launcher.returncode != 0:
         os.close(write_fd)
         raise RuntimeError(f"exporter launcher exited with {launcher.returncode}")
-    with contextlib.suppress(OSError):  # a bigger pipe: fewer declined offers
-        fcntl.fcntl(write_fd, F_SETPIPE_SZ, 1 << 20)
+    try:  # a bigger pipe: fewer declined offers
+        fcntl.fcntl(write_fd, F_SETPIPE_SZ, PIPE_BYTES)
+    except OSError as exc:  # /proc/sys/fs/pipe-max-size, or the user's pipe pages spent
+        logger.info(
+            "journey-otel: the exporter pipe stays at its default size (%s): "
+            "a busy engine's hand-offs are declined sooner",
+            exc,
+        )
     return write_fd, int(pid_text) if pid_text.strip().isdigit() else None
 
 

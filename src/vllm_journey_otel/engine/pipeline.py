@@ -99,7 +99,8 @@ _DROP_LOG_PERIOD_S = 60.0
 # waits longer than this for the sink.
 DRAIN_WRITE_S = 0.2
 # The owner hands finished journeys on at most this often (publish_due).
-# The exporter's paced read (wire.READ_PACE_S) is twenty times this.
+# The exporter's paced read (wire.READ_PACE_S) is many times this, so that
+# each of its reads takes many hand-offs at once.
 PUBLISH_INTERVAL_NS = 25_000_000
 # In-flight snapshots the drain thread hands on per wake-up, at most.
 WATCH_BATCH = 256
