@@ -131,9 +131,9 @@ class FrameReader:
         writer's core): paced, the exporter is asleep or busy when the engine
         thread writes, and blocks (no CPU) only when nothing came during the
         pause. Frames wait at most ``pace_s`` longer; a busy exporter (handling
-        takes longer, or a read of half the pipe or more) and a frame still
-        arriving never pause, so capacity is unchanged. A partial frame at
-        end-of-file is dropped.
+        a read's frames took half the pace or more, or the read brought half
+        the pipe or more) and a frame still arriving never pause, so capacity
+        is unchanged. A partial frame at end-of-file is dropped.
 
         ``stop`` (the exporter's SIGTERM flag): once it returns True, what is
         already in the pipe is read without waiting and the iteration ends.
@@ -163,13 +163,9 @@ class FrameReader:
             self._pos = 0
             if stop is not None and not draining and stop():
                 draining = True
-            if pace_s > 0 and not draining and 0 <= last < _busy_read(stream) and not buf:
-                # In slices, so a stop is noticed within _STOP_POLL_S here too.
-                while (rest := read_at + pace_s - clock()) > 0:
-                    time.sleep(min(rest, _STOP_POLL_S) if stop is not None else rest)
-                    if stop is not None and stop():
-                        draining = True
-                        break
+            paced = pace_s > 0 and not draining and not buf
+            if paced and _caught_up(stream, last, clock() - read_at, pace_s):
+                draining = _pause(read_at + pace_s, stop)
             if stop is not None:
                 if not draining:
                     while not select.select([fd], [], [], _STOP_POLL_S)[0]:
@@ -192,6 +188,24 @@ class FrameReader:
             read_at = clock()
             last = len(chunk)
             buf += chunk
+
+
+def _caught_up(stream: IO[bytes], last: int, handled_s: float, pace_s: float) -> bool:
+    """Whether the paced reader may pause: its last read (``last`` bytes; -1:
+    none yet) brought less than half the pipe, and handing out its frames took
+    less than half the pace. Otherwise the writer is ahead, or the exporter
+    is busy enough that a pause would cost it throughput: read again at once."""
+    return 0 <= last < _busy_read(stream) and handled_s < pace_s / 2
+
+
+def _pause(until: float, stop: Callable[[], bool] | None) -> bool:
+    """Sleep until ``until`` (monotonic s), in slices so that a stop is noticed
+    within _STOP_POLL_S; True when one was."""
+    while (rest := until - time.monotonic()) > 0:
+        time.sleep(min(rest, _STOP_POLL_S) if stop is not None else rest)
+        if stop is not None and stop():
+            return True
+    return False
 
 
 def _busy_read(stream: IO[bytes]) -> int:

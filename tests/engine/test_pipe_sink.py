@@ -308,6 +308,32 @@ def test_paced_reader_reads_again_at_once_when_half_the_pipe_came(pipes) -> None
     assert at[1] < 0.6, f"the second frame came out {at[1]:.2f} s in (pace 1 s)"
 
 
+def test_paced_reader_busy_with_its_frames_reads_again_at_once(pipes) -> None:  # type: ignore[no-untyped-def]
+    """An exporter whose handling of a read's frames took half the pace or more
+    is near its capacity: a pause would cost it throughput, so it reads again
+    at once (the pause is for an exporter with time to spare)."""
+    (r, w), _ = pipes
+    os.write(w, PipeSink._frame(journeys(2), 0))
+
+    def later() -> None:
+        time.sleep(0.1)
+        os.write(w, PipeSink._frame(journeys(1, 500), 0))
+        os.close(w)
+
+    t = threading.Thread(target=later)
+    at = []
+    with os.fdopen(os.dup(r), "rb") as f:
+        began = time.monotonic()
+        t.start()
+        for _ in read_frames(f, pace_s=1.0):
+            at.append(time.monotonic() - began)
+            if len(at) == 1:
+                time.sleep(0.6)  # handling the first read's frames: 0.6 of the pace
+    t.join()
+    assert len(at) == 2
+    assert at[1] < 0.85, f"the second frame came out {at[1]:.2f} s in (pace 1 s)"
+
+
 def test_reader_on_a_drained_non_blocking_pipe_returns(pipes) -> None:  # type: ignore[no-untyped-def]
     """The exporter's last drain at SIGTERM: what is in the pipe comes out, then
     the read ends instead of blocking (the writer is still open)."""
