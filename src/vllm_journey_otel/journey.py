@@ -15,6 +15,7 @@ seconds taken by the API server, never subtracted from a monotonic value.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Final
 
 import msgspec
@@ -285,6 +286,25 @@ class InFlight(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=12):
 # engine's root is then an INTERNAL span (the request's one SERVER span is the
 # API server's, or the HTTP instrumentation's above it).
 API_PARENT_KEY: Final = "vllm-journey-api-parent"
+# The length of the traceparent the API server writes for them: version 00, its
+# trace id, its span's id, flags 01 or 00 (55 characters, W3C).
+API_TRACEPARENT_LEN: Final = 55
+
+
+def api_server_traceparent(headers: Mapping[str, str]) -> str | None:
+    """The traceparent of trace headers exactly as the API server hands them to
+    the engine core (its traceparent and its mark, nothing else), or None.
+
+    In the default configuration every request carries these, and the engine
+    thread reads them at each admission: the API server wrote them itself, so
+    their shape is enough to trust them, and neither the W3C parse nor the
+    size bounds a client's headers need are run again on the engine thread.
+    Headers with a tracestate take the full path."""
+    if len(headers) == 2 and headers.get(API_PARENT_KEY) == "1":
+        tp = headers.get("traceparent")
+        if type(tp) is str and len(tp) == API_TRACEPARENT_LEN:
+            return tp
+    return None
 
 
 class ApiJourney(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=13):

@@ -10,8 +10,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from conftest import import_harness, requires_vllm
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.config import MODE_THREAD, Config
-from vllm_journey_otel.engine import handoff, hooks, state
+from vllm_journey_otel.engine import handoff, hooks, sampling, state
 from vllm_journey_otel.engine.sampling import HeadSampler, TailRule
+from vllm_journey_otel.journey import API_PARENT_KEY
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
 SPAN = "b7ad6b7169203331"
@@ -58,6 +59,40 @@ def test_head_sampler_follows_the_parent_flag() -> None:
     half = HeadSampler(parent_based=False, ratio=0.5)
     share = sum(half.sampled(None) for _ in range(4000)) / 4000
     assert 0.45 < share < 0.55
+
+
+def _w3c_decision(sampler: HeadSampler, headers: dict[str, str]) -> bool:
+    """The decision from the full W3C parse (the SDK propagator's rules)."""
+    client = sampling.client_trace(headers.get("traceparent"))
+    if client is not None and sampler.parent_based:
+        return (client[1] & 1) == 1
+    return sampler.ratio >= 1.0
+
+
+def test_the_api_servers_headers_are_decided_without_a_w3c_parse(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The headers the API server hands the engine core (its traceparent and its
+    mark: every request in the default configuration) are decided from their
+    flags alone, as the full parse decides them; anything else (a tracestate,
+    a client's own headers, a mark on a traceparent of another length) is parsed."""
+    mark = {API_PARENT_KEY: "1"}
+    ours = [{**tp(f"{flags:02x}"), **mark} for flags in range(256)]
+    others = [
+        *(tp(f"{flags:02x}") for flags in (0, 1, 3)),
+        {**tp("01"), **mark, "tracestate": "k=v"},
+        {"traceparent": f"01-{TRACE}-{SPAN}-01-extra", **mark},
+    ]
+    for sampler in (HeadSampler(True, 0.0), HeadSampler(True, 1.0), HeadSampler(False, 0.0)):
+        for headers in [*ours, *others]:
+            assert sampler.decide(headers) == (_w3c_decision(sampler, headers), None), headers
+    parsed: list[str | None] = []
+    real = sampling.client_trace
+    monkeypatch.setattr(sampling, "client_trace", lambda t: parsed.append(t) or real(t))
+    for headers in ours:
+        HeadSampler(True, 0.0).decide(headers)
+    assert parsed == []
+    for headers in others:
+        HeadSampler(True, 0.0).decide(headers)
+    assert len(parsed) == len(others)
 
 
 def test_tail_rule_from_env(caplog) -> None:  # type: ignore[no-untyped-def]

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from vllm_journey_otel.config import head_sampling, tail_rule
-from vllm_journey_otel.journey import RootIds
+from vllm_journey_otel.journey import RootIds, api_server_traceparent
 from vllm_journey_otel.rng import RNG
 
 # TraceIdRatioBased (opentelemetry-sdk 1.x) samples when trace_id & LIMIT < bound.
@@ -40,6 +40,8 @@ _TRACEPARENT = re.compile(
     "^[ \t]*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:(-.*)|[ \t]*)$"
 )
 _TRACEPARENT_MAX = 512
+# A flags byte's last hex digit with the sampled bit (0x01) set.
+_ODD_HEX = frozenset("13579bdf")
 
 
 def client_trace(traceparent: str | None) -> tuple[int, int] | None:
@@ -74,6 +76,10 @@ class HeadSampler:
         """Whether the journey is sampled, and, when a ratio decided it for a
         journey that starts its own trace, the root's ids (its trace id is the
         one decided on: the root must use it)."""
+        if trace_headers and self.parent_based:
+            ours = api_server_traceparent(trace_headers)
+            if ours is not None:  # the API server's sampled flag: its last hex digit
+                return ours[-1] in _ODD_HEX, None
         client = client_trace(trace_headers.get("traceparent")) if trace_headers else None
         if client is not None and self.parent_based:
             return (client[1] & 1) == 1, None
