@@ -19,6 +19,21 @@ from vllm_journey_otel import schema as S
 LAYOUTS = ["2proc", "3proc"]
 
 
+def new_server(  # type: ignore[no-untyped-def]
+    model_dir: Path, tmp: Path, receiver: Receiver, layout: str, api_spans: bool = True, **kw
+) -> VllmServer:
+    """:func:`start_server`'s server, started and not yet ready (see :func:`ready`)."""
+    env = {
+        **({} if api_spans else {"VLLM_JOURNEY_OTEL_API_SPANS": "0"}),
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{receiver.grpc_port}",
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc",
+        **kw.pop("env", {}),
+    }
+    return VllmServer(
+        model_dir, tmp / f"vllm-{layout}.log", env, multiprocessing=layout == "3proc", **kw
+    )
+
+
 def start_server(  # type: ignore[no-untyped-def]
     model_dir: Path, tmp: Path, receiver: Receiver, layout: str, api_spans: bool = True, **kw
 ) -> VllmServer:
@@ -26,21 +41,42 @@ def start_server(  # type: ignore[no-untyped-def]
     unless a test is about another setting. ``api_spans`` False: the API server's
     vllm.api.* spans off (``VLLM_JOURNEY_OTEL_API_SPANS=0``), the engine's root
     is then the SERVER span; True leaves the variable unset (the default: on)."""
-    env = {
-        **({} if api_spans else {"VLLM_JOURNEY_OTEL_API_SPANS": "0"}),
-        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{receiver.grpc_port}",
-        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc",
-        **kw.pop("env", {}),
-    }
-    server = VllmServer(
-        model_dir, tmp / f"vllm-{layout}.log", env, multiprocessing=layout == "3proc", **kw
-    )
+    return start_servers(model_dir, tmp, receiver, [layout], api_spans, **kw)[layout]
+
+
+def start_servers(  # type: ignore[no-untyped-def]
+    model_dir: Path,
+    tmp: Path,
+    receiver: Receiver,
+    layouts: list[str],
+    api_spans: bool = True,
+    **kw,
+) -> dict[str, VllmServer]:
+    """One server per layout, as :func:`start_server` makes it, started
+    together: a start is mostly one process at a time importing vLLM on one
+    CPU, so two starts overlap on this machine's two. Each test then uses its
+    own server and stops it; whatever is left is stopped by the caller."""
+    servers: dict[str, VllmServer] = {}
     try:
-        server.wait_ready()
+        for layout in layouts:
+            servers[layout] = new_server(model_dir, tmp, receiver, layout, api_spans, **dict(kw))
     except BaseException:
-        server.stop()
+        for server in servers.values():
+            server.stop()
         raise
-    return server
+    ready(*servers.values())
+    return servers
+
+
+def ready(*servers: VllmServer) -> None:
+    """Wait until every server answers /health; on a failure stop them all."""
+    try:
+        for server in servers:
+            server.wait_ready()
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
 
 
 def client(server: VllmServer):  # type: ignore[no-untyped-def]

@@ -20,7 +20,15 @@ import pytest
 from conftest import requires_vllm
 from otlp_receiver import Receiver, WireSpan, wire_spans
 from services import VENV, VllmServer, wait_until
-from serving import LAYOUTS, client, journeys_in_trace, new_traceparent, start_server
+from serving import (
+    LAYOUTS,
+    client,
+    journeys_in_trace,
+    new_server,
+    new_traceparent,
+    ready,
+    start_server,
+)
 from trees import Node, api_requests, check_invariants
 from vllm_journey_otel import schema as S
 
@@ -209,16 +217,38 @@ def test_a_client_that_goes_away_is_marked_and_its_journey_aborted(server, modul
     assert not tree.kids(S.SPAN_API_OUTPUT)  # the engine's last output never came
 
 
-def test_under_the_fastapi_instrumentation_one_tree_one_server_span(  # type: ignore[no-untyped-def]
-    model_dir, module_receiver, tmp_path
-) -> None:
+@pytest.fixture(scope="module")
+def special(model_dir, module_receiver, tmp_path_factory) -> Iterator[dict[str, VllmServer]]:  # type: ignore[no-untyped-def]
+    """Two servers of their own, started together (each test stops its own):
+    one under `opentelemetry-instrument`'s FastAPI instrumentation, one with
+    two API servers."""
+    launcher = Path(__file__).resolve().parent.parent / "fixtures" / "instrumented_serve.py"
+    servers: dict[str, VllmServer] = {}
+    try:
+        servers["fastapi"] = new_server(
+            model_dir, tmp_path_factory.mktemp("fastapi"), module_receiver, "3proc",
+            command=[str(VENV / "bin" / "python"), str(launcher)],
+        )  # fmt: skip
+        servers["two_api_servers"] = new_server(
+            model_dir, tmp_path_factory.mktemp("two-api"), module_receiver, "3proc",
+            args=["--api-server-count", "2"],
+        )  # fmt: skip
+    except BaseException:
+        for server in servers.values():
+            server.stop()
+        raise
+    ready(*servers.values())
+    yield servers
+    for server in servers.values():
+        server.stop()
+
+
+def test_under_the_fastapi_instrumentation_one_tree_one_server_span(
+    special, module_receiver
+) -> None:  # type: ignore[no-untyped-def]
     """`opentelemetry-instrument`'s FastAPI span is the request's SERVER span;
     ours is its INTERNAL child and the engine's journey ours (not siblings)."""
-    launcher = Path(__file__).resolve().parent.parent / "fixtures" / "instrumented_serve.py"
-    s = start_server(
-        model_dir, tmp_path, module_receiver, "3proc",
-        command=[str(VENV / "bin" / "python"), str(launcher)],
-    )  # fmt: skip
+    s = special["fastapi"]
     try:
         trace_id, span_id = _completion(s, stream=False)
 
@@ -250,14 +280,12 @@ def _descends_from(pid: int, ancestor: int) -> bool:
     return False
 
 
-def test_each_of_two_api_servers_traces_its_requests(model_dir, module_receiver, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_each_of_two_api_servers_traces_its_requests(special, module_receiver) -> None:  # type: ignore[no-untyped-def]
     """--api-server-count 2: each API server process has its own pipeline and
     exporter; every request gets its tree, whichever server took it, and both
     servers took some (each request on a connection of its own; the kernel
     hands connections to either process, so batches go until both have served)."""
-    s = start_server(
-        model_dir, tmp_path, module_receiver, "3proc", args=["--api-server-count", "2"]
-    )
+    s = special["two_api_servers"]
     pids: set[Any] = set()
     sent = 0
     try:

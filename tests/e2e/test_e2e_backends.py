@@ -68,36 +68,23 @@ class PhoenixSpan:
         self.kind = _Kind()
 
 
-@pytest.fixture(scope="module")
-def backend(tmp_path_factory) -> Iterator[tuple[Phoenix, Rotel]]:  # type: ignore[no-untyped-def]
-    tmp = tmp_path_factory.mktemp("backend")
-    phoenix = Phoenix(tmp / "phoenix", tmp / "phoenix.log")
-    rotel = None
-    try:
-        phoenix.wait_ready()
-        rotel = Rotel(f"http://127.0.0.1:{phoenix.grpc_port}", tmp / "rotel.log", tmp / "rotel.pid")
-        rotel.wait_ready()
-        yield phoenix, rotel
-    finally:
-        if rotel is not None:
-            rotel.stop()
-        phoenix.stop()
+# Each protocol through the collector, from a server of its own layout.
+SERVED = {"grpc": "3proc", "http/protobuf": "2proc"}
 
 
-@pytest.mark.parametrize(("protocol", "layout"), [("grpc", "3proc"), ("http/protobuf", "2proc")])
-def test_through_rotel_into_phoenix(backend, model_dir, tmp_path, protocol, layout) -> None:  # type: ignore[no-untyped-def]
-    import openai
-
-    phoenix, rotel = backend
+def _server(model_dir: Path, tmp: Path, rotel: Rotel, protocol: str) -> tuple[VllmServer, str]:
+    """A server exporting over ``protocol`` to rotel, into a Phoenix project of
+    its own (started, not yet ready), and the project's name."""
     project = f"vjo-{protocol.split('/')[0]}-{random.getrandbits(24):06x}"
     endpoint = (
         f"http://127.0.0.1:{rotel.grpc_port}"
         if protocol == "grpc"
         else f"http://127.0.0.1:{rotel.http_port}/v1/traces"
     )
+    layout = SERVED[protocol]
     server = VllmServer(
         model_dir,
-        tmp_path / "vllm.log",
+        tmp / f"vllm-{layout}.log",
         {
             "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": protocol,
             "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint,
@@ -105,10 +92,46 @@ def test_through_rotel_into_phoenix(backend, model_dir, tmp_path, protocol, layo
         },
         multiprocessing=layout == "3proc",
     )
+    return server, project
+
+
+@pytest.fixture(scope="module")
+def backend(  # type: ignore[no-untyped-def]
+    model_dir, tmp_path_factory
+) -> Iterator[tuple[Phoenix, dict[str, tuple[VllmServer, str]]]]:
+    """Phoenix behind rotel, and a server per protocol exporting to rotel, all
+    started together (a start is mostly one process importing on one CPU; rotel
+    needs no backend to start). Each test stops its own server."""
+    tmp = tmp_path_factory.mktemp("backend")
+    started: list[Any] = []
+    try:
+        phoenix = Phoenix(tmp / "phoenix", tmp / "phoenix.log")
+        started.append(phoenix)
+        rotel = Rotel(f"http://127.0.0.1:{phoenix.grpc_port}", tmp / "rotel.log", tmp / "rotel.pid")
+        started.append(rotel)
+        servers = {}
+        for protocol in SERVED:
+            servers[protocol] = _server(model_dir, tmp, rotel, protocol)
+            started.append(servers[protocol][0])
+        phoenix.wait_ready()
+        rotel.wait_ready()
+        for server, _ in servers.values():
+            server.wait_ready()
+        yield phoenix, servers
+    finally:
+        for process in reversed(started):  # the servers, then rotel, then Phoenix
+            process.stop()
+
+
+@pytest.mark.parametrize("protocol", list(SERVED))
+def test_through_rotel_into_phoenix(backend, protocol) -> None:  # type: ignore[no-untyped-def]
+    import openai
+
+    phoenix, servers = backend
+    server, project = servers[protocol]
     trace_id = random.getrandbits(128) | 1
     span_id = random.getrandbits(64) | 1
     try:
-        server.wait_ready()
         c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         usages = []
         for i in range(3):

@@ -7,22 +7,35 @@ snapshots of the traced one before its final journey, which is their parent.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from conftest import requires_vllm
 from otlp_receiver import wire_spans
-from serving import LAYOUTS, client, journeys_in_trace, new_traceparent, start_server
+from services import VllmServer
+from serving import LAYOUTS, client, journeys_in_trace, new_traceparent, start_servers
 from vllm_journey_otel import schema as S
 
 pytestmark = [requires_vllm, pytest.mark.e2e]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_long_request_is_seen_in_flight(model_dir, receiver, tmp_path, layout: str) -> None:  # type: ignore[no-untyped-def]
+@pytest.fixture(scope="module")
+def servers(model_dir, module_receiver, tmp_path_factory) -> Iterator[dict[str, VllmServer]]:  # type: ignore[no-untyped-def]
+    """Both layouts' servers, started together (each test stops its own)."""
     env = {"VLLM_JOURNEY_OTEL_IN_FLIGHT_S": "0.3", "OTEL_BSP_SCHEDULE_DELAY": "100"}
-    server = start_server(model_dir, tmp_path, receiver, layout, env=env)
+    started = start_servers(
+        model_dir, tmp_path_factory.mktemp("in-flight"), module_receiver, LAYOUTS, env=env
+    )
+    yield started
+    for server in started.values():
+        server.stop()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_long_request_is_seen_in_flight(servers, module_receiver, layout: str) -> None:  # type: ignore[no-untyped-def]
+    server, receiver = servers[layout], module_receiver
     tp, trace_id, _ = new_traceparent()
     try:
         c = client(server)

@@ -33,7 +33,7 @@ from conftest import requires_vllm
 from fault_proxy import BLACKHOLE, DOWN, FORWARD, FaultProxy
 from otlp_receiver import Receiver, wire_spans
 from services import VllmServer, metric_value, wait_until
-from serving import client, journeys_in_trace, new_traceparent, start_server
+from serving import client, journeys_in_trace, new_server, new_traceparent, ready, start_server
 from trees import check_invariants
 from vllm_journey_otel import schema as S
 
@@ -203,15 +203,13 @@ def _tree(server: VllmServer) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir, tmp_path_factory) -> Iterator[dict[str, Any]]:  # type: ignore[no-untyped-def]
-    """The same workload on a plugin-off server: the outputs to match, the ports to compare."""
+def reference(model_dir, tmp_path_factory) -> Iterator[VllmServer]:  # type: ignore[no-untyped-def]
+    """A plugin-off server for the same workload (the outputs to match, the
+    ports to compare), started and not yet ready: the test starts its own beside it."""
     tmp = tmp_path_factory.mktemp("reference")
     server = VllmServer(model_dir, tmp / "vllm-off.log", {"VLLM_JOURNEY_OTEL": "0"})
-    try:
-        server.wait_ready()
-        yield {"tokens": _token_ids(server), "listening": _listening(_tree(server))}
-    finally:
-        server.stop()
+    yield server
+    server.stop()
 
 
 def test_backend_faults_never_reach_serving(  # type: ignore[no-untyped-def]
@@ -219,7 +217,7 @@ def test_backend_faults_never_reach_serving(  # type: ignore[no-untyped-def]
 ) -> None:
     proxy = FaultProxy(receiver.grpc_port)
     proxy.set_mode(DOWN)  # the backend is down from the start
-    server = start_server(
+    server = new_server(
         model_dir, tmp_path, receiver, "3proc",
         env={
             "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{proxy.port}",
@@ -227,6 +225,14 @@ def test_backend_faults_never_reach_serving(  # type: ignore[no-untyped-def]
             "VLLM_JOURNEY_OTEL_QUEUE_SIZE": "lots",  # a bad value: warned, default used
         },
     )  # fmt: skip
+    try:
+        ready(reference, server)
+        expected = {"tokens": _token_ids(reference), "listening": _listening(_tree(reference))}
+    except BaseException:
+        server.stop()
+        raise
+    finally:
+        reference.stop()
     outputs: dict[str, list[list[int]]] = {}
     phase_traces: dict[str, int] = {}
 
@@ -272,14 +278,14 @@ def test_backend_faults_never_reach_serving(  # type: ignore[no-untyped-def]
         exporters = _exporter_pids(f"http://127.0.0.1:{proxy.port}")
         assert exporters, "the exporter process is running"
         assert _listening(exporters) == []
-        assert len(_listening(_tree(server))) == len(reference["listening"])
+        assert len(_listening(_tree(server))) == len(expected["listening"])
         secret_root = _secret_request(server, receiver)
     finally:
         server.stop()
         proxy.close()
 
     for name, got in outputs.items():
-        assert got == reference["tokens"], f"outputs changed in phase {name}"
+        assert got == expected["tokens"], f"outputs changed in phase {name}"
 
     log = server.log_path.read_text(errors="replace")
     ours = [line for line in log.splitlines() if "journey-otel" in line]

@@ -29,6 +29,7 @@ from serving import (
     journeys_in_trace,
     new_traceparent,
     start_server,
+    start_servers,
 )
 from trees import check_invariants, expected_shape
 from vllm_journey_otel import schema as S
@@ -234,13 +235,21 @@ def test_too_long_prompt_is_rejected_without_a_journey(server, module_receiver) 
 # ---------------------------------------------------------------------------
 # Preemption: a tiny KV cache, 32 concurrent 256-token requests
 # ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def preempting(model_dir, module_receiver, tmp_path_factory) -> Iterator[dict[str, VllmServer]]:  # type: ignore[no-untyped-def]
+    """Both layouts with a tiny KV cache, started together (each test stops its own)."""
+    servers = start_servers(
+        model_dir, tmp_path_factory.mktemp("preempting"), module_receiver, LAYOUTS,
+        max_model_len=512, kv_cache_bytes="1M",
+    )  # fmt: skip
+    yield servers
+    for server in servers.values():
+        server.stop()
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_forced_preemption_matches_vllm_metrics(
-    model_dir, module_receiver, tmp_path, layout: str
-) -> None:  # type: ignore[no-untyped-def]
-    server = start_server(
-        model_dir, tmp_path, module_receiver, layout, max_model_len=512, kv_cache_bytes="1M"
-    )
+def test_forced_preemption_matches_vllm_metrics(preempting, module_receiver, layout: str) -> None:  # type: ignore[no-untyped-def]
+    server = preempting[layout]
     try:
         tp, trace_id, span_id = new_traceparent()
         c = client(server)
@@ -278,14 +287,22 @@ def test_forced_preemption_matches_vllm_metrics(
 # ---------------------------------------------------------------------------
 # Graceful SIGTERM: journeys finished just before it all arrive
 # ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def flushing(model_dir, module_receiver, tmp_path_factory) -> Iterator[dict[str, VllmServer]]:  # type: ignore[no-untyped-def]
+    """Both layouts with a long batch delay: without the shutdown flush their
+    spans would still be queued at the end. Started together; each test stops its own."""
+    servers = start_servers(
+        model_dir, tmp_path_factory.mktemp("flushing"), module_receiver, LAYOUTS,
+        env={"OTEL_BSP_SCHEDULE_DELAY": "30000"},
+    )  # fmt: skip
+    yield servers
+    for server in servers.values():
+        server.stop()
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_sigterm_after_requests_loses_nothing(
-    model_dir, module_receiver, tmp_path, layout: str
-) -> None:  # type: ignore[no-untyped-def]
-    # A long batch delay: without the shutdown flush these spans would still be queued.
-    server = start_server(
-        model_dir, tmp_path, module_receiver, layout, env={"OTEL_BSP_SCHEDULE_DELAY": "30000"}
-    )
+def test_sigterm_after_requests_loses_nothing(flushing, module_receiver, layout: str) -> None:  # type: ignore[no-untyped-def]
+    server = flushing[layout]
     tp, trace_id, _ = new_traceparent()
     try:
         c = client(server)

@@ -25,8 +25,8 @@ import pytest
 
 from conftest import requires_vllm
 from otlp_receiver import wire_spans
-from services import metric_value, wait_until
-from serving import client, start_server
+from services import VllmServer, metric_value, wait_until
+from serving import client, new_server, ready
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.tools import explain as X
 from vllm_journey_otel.tools import journey_files as J
@@ -81,17 +81,22 @@ def _cut(path: Path, trace_ids: set[str], out: Path) -> Path:
     return out
 
 
-def _serve_bursts(model_dir: Path, tmp: Path, receiver: Any, kv: str, bursts: int) -> list[Run]:
-    """A fresh server with the defaults (API spans on) writing a trace file,
-    and ``bursts`` bursts one after the other, each once the journeys of the one
-    before are in the file. Once the server has stopped (its exporters flushed),
-    each burst's traces (those whose vllm.api.request began between the pauses
-    around it) are cut into a file of their own."""
+def _file_server(model_dir: Path, tmp: Path, receiver: Any, kv: str) -> tuple[VllmServer, Path]:
+    """A server with the defaults (API spans on) writing a trace file, started
+    (not yet ready), and its file."""
     trace_file = tmp / "journeys.otlp.jsonl"
-    server = start_server(
+    server = new_server(
         model_dir, tmp, receiver, "3proc", max_model_len=512, kv_cache_bytes=kv,
         env={"OTEL_TRACES_EXPORTER": "otlp_json_file", "VLLM_JOURNEY_OTEL_FILE": str(trace_file)},
     )  # fmt: skip
+    return server, trace_file
+
+
+def _serve_bursts(server: VllmServer, trace_file: Path, tmp: Path, bursts: int) -> list[Run]:
+    """``bursts`` bursts one after the other on a fresh server, each once the
+    journeys of the one before are in its file. Once the server has stopped
+    (its exporters flushed), each burst's traces (those whose vllm.api.request
+    began between the pauses around it) are cut into a file of their own."""
 
     def all_written(n: int) -> list[FileSpan]:
         if not trace_file.exists():
@@ -132,13 +137,24 @@ def _serve_bursts(model_dir: Path, tmp: Path, receiver: Any, kv: str, bursts: in
 
 @pytest.fixture(scope="module")
 def runs(model_dir, module_receiver, tmp_path_factory) -> dict[str, Run]:  # type: ignore[no-untyped-def]
-    """The small cache once; the default twice on one server (the rerun)."""
-    (small,) = _serve_bursts(
-        model_dir, tmp_path_factory.mktemp("small"), module_receiver, SMALL_KV, 1
-    )
-    default, rerun = _serve_bursts(
-        model_dir, tmp_path_factory.mktemp("default"), module_receiver, DEFAULT_KV, 2
-    )
+    """The small cache once; the default twice on one server (the rerun). Both
+    servers start together; the bursts run on one at a time."""
+    small_tmp, default_tmp = tmp_path_factory.mktemp("small"), tmp_path_factory.mktemp("default")
+    small_server, small_file = _file_server(model_dir, small_tmp, module_receiver, SMALL_KV)
+    try:
+        default_server, default_file = _file_server(
+            model_dir, default_tmp, module_receiver, DEFAULT_KV
+        )
+    except BaseException:
+        small_server.stop()
+        raise
+    try:
+        ready(small_server, default_server)
+        (small,) = _serve_bursts(small_server, small_file, small_tmp, 1)
+        default, rerun = _serve_bursts(default_server, default_file, default_tmp, 2)
+    finally:
+        small_server.stop()
+        default_server.stop()
     assert small.preemptions > 0, "precondition: the small KV cache forced preemptions"
     return {"small": small, "default": default, "rerun": rerun}
 
