@@ -28,6 +28,7 @@ from serving import (
     new_traceparent,
     ready,
     start_server,
+    start_servers,
 )
 from trees import Node, api_requests, check_invariants
 from vllm_journey_otel import schema as S
@@ -41,16 +42,24 @@ CLOCKS_NS = 200_000
 ERROR = 2  # OTLP status code
 
 
-@pytest.fixture(scope="module", params=LAYOUTS)
-def server(request, model_dir, module_receiver, tmp_path_factory) -> Iterator[VllmServer]:  # type: ignore[no-untyped-def]
+@pytest.fixture(scope="module")
+def traced(model_dir, module_receiver, tmp_path_factory) -> Iterator[dict[str, VllmServer]]:  # type: ignore[no-untyped-def]
+    """Both layouts with vLLM's own tracing on too, started together."""
     endpoint = f"http://127.0.0.1:{module_receiver.grpc_port}"
-    s = start_server(
-        model_dir, tmp_path_factory.mktemp("api"), module_receiver, request.param,
+    servers = start_servers(
+        model_dir, tmp_path_factory.mktemp("api"), module_receiver, LAYOUTS,
         args=["--otlp-traces-endpoint", endpoint],
         env={"OTEL_EXPORTER_OTLP_TRACES_INSECURE": "true"},
     )  # fmt: skip
-    yield s
-    s.stop()
+    yield servers
+    for s in servers.values():
+        s.stop()
+
+
+# Module-scoped: pytest runs each server's tests together, as for one server.
+@pytest.fixture(scope="module", params=LAYOUTS)
+def server(request, traced) -> VllmServer:  # type: ignore[no-untyped-def]
+    return traced[request.param]  # type: ignore[no-any-return]
 
 
 def _trace(receiver: Receiver, trace_id: int) -> list[WireSpan]:

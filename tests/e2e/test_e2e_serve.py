@@ -27,8 +27,9 @@ from serving import (
     assert_parented,
     client,
     journeys_in_trace,
+    new_server,
     new_traceparent,
-    start_server,
+    ready,
     start_servers,
 )
 from trees import check_invariants, expected_shape
@@ -44,16 +45,31 @@ pytestmark = [requires_vllm, pytest.mark.e2e]
 SERVED = [("3proc", True), ("2proc", False)]
 
 
+@pytest.fixture(scope="module")
+def served(model_dir, module_receiver, tmp_path_factory) -> Iterator[dict[str, VllmServer]]:  # type: ignore[no-untyped-def]
+    """Both servers of SERVED, started together, by layout."""
+    tmp = tmp_path_factory.mktemp("serve")
+    servers: dict[str, VllmServer] = {}
+    try:
+        for layout, api_spans in SERVED:
+            s = new_server(model_dir, tmp, module_receiver, layout, api_spans=api_spans)
+            s.layout = layout  # type: ignore[attr-defined]
+            s.api_spans = api_spans  # type: ignore[attr-defined]
+            servers[layout] = s
+    except BaseException:
+        for s in servers.values():
+            s.stop()
+        raise
+    ready(*servers.values())
+    yield servers
+    for s in servers.values():
+        s.stop()
+
+
+# Module-scoped: pytest runs each server's tests together, as for one server.
 @pytest.fixture(scope="module", params=SERVED, ids=["3proc-default", "2proc-api-spans-off"])
-def server(request, model_dir, module_receiver, tmp_path_factory) -> Iterator[VllmServer]:  # type: ignore[no-untyped-def]
-    layout, api_spans = request.param
-    s = start_server(
-        model_dir, tmp_path_factory.mktemp("serve"), module_receiver, layout, api_spans=api_spans
-    )
-    s.layout = layout  # type: ignore[attr-defined]
-    s.api_spans = api_spans  # type: ignore[attr-defined]
-    yield s
-    s.stop()
+def server(request, served) -> VllmServer:  # type: ignore[no-untyped-def]
+    return served[request.param[0]]  # type: ignore[no-any-return]
 
 
 # ---------------------------------------------------------------------------
