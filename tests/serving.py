@@ -54,12 +54,12 @@ def start_servers(  # type: ignore[no-untyped-def]
 ) -> dict[str, VllmServer]:
     """One server per layout, as :func:`start_server` makes it, started
     together: a start is mostly one process at a time importing vLLM on one
-    CPU, so two starts overlap on this machine's two. Each test then uses its
-    own server and stops it; whatever is left is stopped by the caller."""
+    CPU, so two starts overlap on this machine's two. The caller stops them
+    (a failed start stops the others first)."""
     servers: dict[str, VllmServer] = {}
     try:
         for layout in layouts:
-            servers[layout] = new_server(model_dir, tmp, receiver, layout, api_spans, **dict(kw))
+            servers[layout] = new_server(model_dir, tmp, receiver, layout, api_spans, **kw)
     except BaseException:
         for server in servers.values():
             server.stop()

@@ -289,6 +289,7 @@ API_PARENT_KEY: Final = "vllm-journey-api-parent"
 # The length of the traceparent the API server writes for them: version 00, its
 # trace id, its span's id, flags 01 or 00 (55 characters, W3C).
 API_TRACEPARENT_LEN: Final = 55
+_API_FLAGS: Final = frozenset(("-00", "-01"))
 
 
 def api_server_traceparent(headers: Mapping[str, str]) -> str | None:
@@ -296,13 +297,22 @@ def api_server_traceparent(headers: Mapping[str, str]) -> str | None:
     the engine core (its traceparent and its mark, nothing else), or None.
 
     In the default configuration every request carries these, and the engine
-    thread reads them at each admission: the API server wrote them itself, so
-    their shape is enough to trust them, and neither the W3C parse nor the
-    size bounds a client's headers need are run again on the engine thread.
-    Headers with a tracestate take the full path."""
+    thread reads them at each admission. The mark is an internal key: vLLM
+    passes on only ``traceparent`` and ``tracestate`` from HTTP, so only the API
+    server (or a program calling vLLM's engine client directly that sets the
+    mark) can send it, and whoever sets it vouches for the ids. What the
+    sampling decision reads is checked: version 00 and flags 00 or 01, as the
+    API server writes them; anything else, or a tracestate beside them, takes
+    the full W3C parse. (The size bounds still apply to every journey's
+    headers, in ``RequestJourney``.)"""
     if len(headers) == 2 and headers.get(API_PARENT_KEY) == "1":
         tp = headers.get("traceparent")
-        if type(tp) is str and len(tp) == API_TRACEPARENT_LEN:
+        if (
+            type(tp) is str
+            and len(tp) == API_TRACEPARENT_LEN
+            and tp.startswith("00-")
+            and tp[-3:] in _API_FLAGS
+        ):
             return tp
     return None
 

@@ -52,6 +52,7 @@ def served(model_dir, module_receiver, tmp_path_factory) -> Iterator[dict[str, V
     servers: dict[str, VllmServer] = {}
     try:
         for layout, api_spans in SERVED:
+            assert layout not in servers, "SERVED: one server per layout"
             s = new_server(model_dir, tmp, module_receiver, layout, api_spans=api_spans)
             s.layout = layout  # type: ignore[attr-defined]
             s.api_spans = api_spans  # type: ignore[attr-defined]
@@ -156,15 +157,18 @@ def test_n2_two_journeys_in_one_trace(server, module_receiver) -> None:  # type:
 def test_without_traceparent_is_its_own_trace(server, module_receiver) -> None:  # type: ignore[no-untyped-def]
     before = {s.context.trace_id for s in wire_spans(module_receiver)}
     marker = f"untraced-{random.getrandbits(32)}"
-    client(server).completions.create(
+    resp = client(server).completions.create(
         model=server.model, prompt="no trace context", max_tokens=3, user=marker,
         extra_body={"ignore_eos": True},
     )  # fmt: skip
 
+    # This request's root (the module's other server shares the receiver): vLLM's
+    # engine request id is the response's id with the choice's index after it.
     def new_roots() -> list[WireSpan]:
         return [
             s for s in wire_spans(module_receiver)
             if s.name == S.SPAN_REQUEST and s.context.trace_id not in before
+            and str(s.attributes.get(S.REQUEST_ID, "")).startswith(resp.id)
         ]  # fmt: skip
 
     (root,) = wait_until(new_roots, 30, 0.2, "a new root")

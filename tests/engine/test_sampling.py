@@ -73,11 +73,16 @@ def test_the_api_servers_headers_are_decided_without_a_w3c_parse(monkeypatch) ->
     """The headers the API server hands the engine core (its traceparent and its
     mark: every request in the default configuration) are decided from their
     flags alone, as the full parse decides them; anything else (a tracestate,
-    a client's own headers, a mark on a traceparent of another length) is parsed."""
+    a client's own headers, a mark on a traceparent of another length, version
+    or flags than the API server writes) is parsed."""
     mark = {API_PARENT_KEY: "1"}
-    ours = [{**tp(f"{flags:02x}"), **mark} for flags in range(256)]
+    ours = [{**tp(flags), **mark} for flags in ("00", "01")]
     others = [
         *(tp(f"{flags:02x}") for flags in (0, 1, 3)),
+        *({**tp(f"{flags:02x}"), **mark} for flags in range(2, 256)),
+        {**tp("0F"), **mark},
+        {**tp("01"), **mark, "traceparent": f"ff-{TRACE}-{SPAN}-01"},
+        {**tp("01"), **mark, "traceparent": f" 00-{TRACE}-{SPAN}-1"},
         {**tp("01"), **mark, "tracestate": "k=v"},
         {"traceparent": f"01-{TRACE}-{SPAN}-01-extra", **mark},
     ]

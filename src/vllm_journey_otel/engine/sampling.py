@@ -40,8 +40,6 @@ _TRACEPARENT = re.compile(
     "^[ \t]*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:(-.*)|[ \t]*)$"
 )
 _TRACEPARENT_MAX = 512
-# A flags byte's last hex digit with the sampled bit (0x01) set.
-_ODD_HEX = frozenset("13579bdf")
 
 
 def client_trace(traceparent: str | None) -> tuple[int, int] | None:
@@ -78,8 +76,8 @@ class HeadSampler:
         one decided on: the root must use it)."""
         if trace_headers and self.parent_based:
             ours = api_server_traceparent(trace_headers)
-            if ours is not None:  # the API server's sampled flag: its last hex digit
-                return ours[-1] in _ODD_HEX, None
+            if ours is not None:  # its flags: 01 (sampled) or 00
+                return ours[-1] == "1", None
         client = client_trace(trace_headers.get("traceparent")) if trace_headers else None
         if client is not None and self.parent_based:
             return (client[1] & 1) == 1, None
