@@ -6,8 +6,11 @@ each other).
 
 from __future__ import annotations
 
+import functools
 import random
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from otlp_receiver import Receiver, wire_spans
 from services import VllmServer, wait_until
@@ -17,6 +20,7 @@ from vllm_journey_otel import schema as S
 # VLLM_ENABLE_V1_MULTIPROCESSING=0: API server + engine core (worker inside it);
 # default: API server + engine core + worker.
 LAYOUTS = ["2proc", "3proc"]
+K = TypeVar("K")
 
 
 def new_server(  # type: ignore[no-untyped-def]
@@ -53,13 +57,25 @@ def start_servers(  # type: ignore[no-untyped-def]
     **kw,
 ) -> dict[str, VllmServer]:
     """One server per layout, as :func:`start_server` makes it, started
-    together: a start is mostly one process at a time importing vLLM on one
-    CPU, so two starts overlap on this machine's two. The caller stops them
-    (a failed start stops the others first)."""
-    servers: dict[str, VllmServer] = {}
+    together (:func:`start_together`). The caller stops them."""
+    return start_together(
+        {
+            layout: functools.partial(new_server, model_dir, tmp, receiver, layout, api_spans, **kw)
+            for layout in layouts
+        }
+    )
+
+
+def start_together(makers: dict[K, Callable[[], VllmServer]]) -> dict[K, VllmServer]:
+    """Each maker's server (:func:`new_server` or a VllmServer), started one
+    after the other and then waited for together: a start is mostly one process
+    importing vLLM on one CPU, so two starts overlap on this machine's two. A
+    failed start or wait stops every server already started; otherwise the
+    caller stops them."""
+    servers: dict[K, VllmServer] = {}
     try:
-        for layout in layouts:
-            servers[layout] = new_server(model_dir, tmp, receiver, layout, api_spans, **kw)
+        for key, make in makers.items():
+            servers[key] = make()
     except BaseException:
         for server in servers.values():
             server.stop()

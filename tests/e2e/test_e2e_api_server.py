@@ -26,9 +26,9 @@ from serving import (
     journeys_in_trace,
     new_server,
     new_traceparent,
-    ready,
     start_server,
     start_servers,
+    start_together,
 )
 from trees import Node, api_requests, check_invariants
 from vllm_journey_otel import schema as S
@@ -232,21 +232,16 @@ def special(model_dir, module_receiver, tmp_path_factory) -> Iterator[dict[str, 
     one under `opentelemetry-instrument`'s FastAPI instrumentation, one with
     two API servers."""
     launcher = Path(__file__).resolve().parent.parent / "fixtures" / "instrumented_serve.py"
-    servers: dict[str, VllmServer] = {}
-    try:
-        servers["fastapi"] = new_server(
+    servers = start_together({
+        "fastapi": lambda: new_server(
             model_dir, tmp_path_factory.mktemp("fastapi"), module_receiver, "3proc",
             command=[str(VENV / "bin" / "python"), str(launcher)],
-        )  # fmt: skip
-        servers["two_api_servers"] = new_server(
+        ),
+        "two_api_servers": lambda: new_server(
             model_dir, tmp_path_factory.mktemp("two-api"), module_receiver, "3proc",
             args=["--api-server-count", "2"],
-        )  # fmt: skip
-    except BaseException:
-        for server in servers.values():
-            server.stop()
-        raise
-    ready(*servers.values())
+        ),
+    })  # fmt: skip
     yield servers
     for server in servers.values():
         server.stop()

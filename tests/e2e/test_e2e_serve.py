@@ -10,6 +10,7 @@ scheduler-level tests drive AsyncScheduler and the V2 resume path instead.
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 import signal
 import threading
@@ -29,8 +30,8 @@ from serving import (
     journeys_in_trace,
     new_server,
     new_traceparent,
-    ready,
     start_servers,
+    start_together,
 )
 from trees import check_invariants, expected_shape
 from vllm_journey_otel import schema as S
@@ -49,19 +50,17 @@ SERVED = [("3proc", True), ("2proc", False)]
 def served(model_dir, module_receiver, tmp_path_factory) -> Iterator[dict[str, VllmServer]]:  # type: ignore[no-untyped-def]
     """Both servers of SERVED, started together, by layout."""
     tmp = tmp_path_factory.mktemp("serve")
-    servers: dict[str, VllmServer] = {}
-    try:
-        for layout, api_spans in SERVED:
-            assert layout not in servers, "SERVED: one server per layout"
-            s = new_server(model_dir, tmp, module_receiver, layout, api_spans=api_spans)
-            s.layout = layout  # type: ignore[attr-defined]
-            s.api_spans = api_spans  # type: ignore[attr-defined]
-            servers[layout] = s
-    except BaseException:
-        for s in servers.values():
-            s.stop()
-        raise
-    ready(*servers.values())
+
+    def make(layout: str, api_spans: bool) -> VllmServer:
+        s = new_server(model_dir, tmp, module_receiver, layout, api_spans=api_spans)
+        s.layout = layout  # type: ignore[attr-defined]
+        s.api_spans = api_spans  # type: ignore[attr-defined]
+        return s
+
+    assert len({layout for layout, _ in SERVED}) == len(SERVED), "one server per layout"
+    servers = start_together(
+        {layout: functools.partial(make, layout, api_spans) for layout, api_spans in SERVED}
+    )
     yield servers
     for s in servers.values():
         s.stop()
