@@ -161,8 +161,9 @@ def test_without_traceparent_is_its_own_trace(server, module_receiver) -> None: 
         extra_body={"ignore_eos": True},
     )  # fmt: skip
 
-    # This request's root (the module's other server shares the receiver): vLLM's
-    # engine request id is the response's id with the choice's index after it.
+    # This request's root (the module's other server shares the receiver): vLLM
+    # 0.32's engine request id starts with the response's id (then the prompt's
+    # index and a random suffix: cmpl-<id>-0-<8 chars>; this request has n=1).
     def new_roots() -> list[WireSpan]:
         return [
             s for s in wire_spans(module_receiver)

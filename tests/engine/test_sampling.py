@@ -72,9 +72,10 @@ def _w3c_decision(sampler: HeadSampler, headers: dict[str, str]) -> bool:
 def test_the_api_servers_headers_are_decided_without_a_w3c_parse(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The headers the API server hands the engine core (its traceparent and its
     mark: every request in the default configuration) are decided from their
-    flags alone, as the full parse decides them; anything else (a tracestate,
-    a client's own headers, a mark on a traceparent of another length, version
-    or flags than the API server writes) is parsed."""
+    version and flags alone, as the full parse decides them; anything else (a
+    tracestate, a client's own headers, a mark on a traceparent of another
+    length, version or flags than the API server writes) is parsed. The ids are
+    not checked: whoever sets the internal mark vouches for them."""
     mark = {API_PARENT_KEY: "1"}
     ours = [{**tp(flags), **mark} for flags in ("00", "01")]
     others = [
@@ -82,13 +83,18 @@ def test_the_api_servers_headers_are_decided_without_a_w3c_parse(monkeypatch) ->
         *({**tp(f"{flags:02x}"), **mark} for flags in range(2, 256)),
         {**tp("0F"), **mark},
         {**tp("01"), **mark, "traceparent": f"ff-{TRACE}-{SPAN}-01"},
-        {**tp("01"), **mark, "traceparent": f" 00-{TRACE}-{SPAN}-1"},
+        {**tp("01"), **mark, "traceparent": f" 00-{TRACE}-{SPAN[:15]}-01"},
         {**tp("01"), **mark, "tracestate": "k=v"},
         {"traceparent": f"01-{TRACE}-{SPAN}-01-extra", **mark},
     ]
     for sampler in (HeadSampler(True, 0.0), HeadSampler(True, 1.0), HeadSampler(False, 0.0)):
         for headers in [*ours, *others]:
             assert sampler.decide(headers) == (_w3c_decision(sampler, headers), None), headers
+    # The one intended difference: ids the full parse rejects (all zeros) under
+    # the mark are taken as written; the API server never writes such ids.
+    zero_ids = {"traceparent": f"00-{'0' * 32}-{SPAN}-01", **mark}
+    assert HeadSampler(True, 0.0).decide(zero_ids) == (True, None)
+    assert _w3c_decision(HeadSampler(True, 0.0), zero_ids) is False
     parsed: list[str | None] = []
     real = sampling.client_trace
     monkeypatch.setattr(sampling, "client_trace", lambda t: parsed.append(t) or real(t))
