@@ -36,10 +36,22 @@ requires_vllm = pytest.mark.skipif(
 )
 
 
+# A test whose subject is downstream of the engine (the exporter, the tools, the
+# deploy kit) and that needs vLLM only to make real journeys with a real
+# Scheduler: it needs vLLM, but vLLM's release does not change what it tests
+# (the journey records it gets are ours; tests/engine checks them on every
+# release), so it runs once, on 0.32, and is not marked ``vllm``.
+_NEEDS_VLLM_JOURNEYS = "vLLM is not installed (this test's journeys come from a real Scheduler)"
+journeys_from_vllm = pytest.mark.skipif(
+    not REQUIRE_VLLM and not vllm_available(),
+    reason=_NEEDS_VLLM_JOURNEYS,
+)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test that needs vLLM (``requires_vllm``, on it or its module) is marked
     ``vllm``: scripts/test.sh runs those again against each vLLM release's
-    sources, and everything else once."""
+    sources, and everything else (``journeys_from_vllm`` too) once."""
     for item in items:
         if any(m.kwargs.get("reason") == _NEEDS_VLLM for m in item.iter_markers("skipif")):
             item.add_marker(pytest.mark.vllm)

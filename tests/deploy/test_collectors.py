@@ -27,7 +27,7 @@ from deploy_kit import (
     schema_token_problems,
 )
 
-from conftest import import_harness, requires_vllm
+from conftest import import_harness, journeys_from_vllm
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.engine import handoff
 
@@ -162,7 +162,7 @@ def test_token_check_catches_a_misspelt_key() -> None:
     assert schema_token_problems('{name="vllm.prefil"}', "x")
 
 
-@requires_vllm
+@journeys_from_vllm
 def test_gateway_policies_keep_the_journeys_they_promise() -> None:
     """Real journeys (head sampling at ratio 0, the default in-engine tail rule)
     against the gateway's policies, with the threshold of the shipped file."""

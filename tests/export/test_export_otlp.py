@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from conftest import import_harness, requires_vllm
+from conftest import import_harness, journeys_from_vllm
 from otlp_receiver import Receiver
 from services import wait_until
 from vllm_journey_otel import __version__
@@ -15,7 +15,7 @@ from vllm_journey_otel import schema as S
 from vllm_journey_otel.config import MODE_PROCESS, MODE_THREAD, Config, exporter_names
 from vllm_journey_otel.engine import hooks
 
-pytestmark = requires_vllm
+pytestmark = journeys_from_vllm
 harness = import_harness()
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import psutil
 import pytest
 
-from conftest import import_harness, requires_vllm
+from conftest import import_harness, journeys_from_vllm
 from fault_proxy import BLACKHOLE, FORWARD, FaultProxy
 from otlp_receiver import Receiver
 from services import wait_until
@@ -62,7 +62,7 @@ def _roots(receiver: Receiver, prefix: str) -> list[dict[str, object]]:
     ]
 
 
-@requires_vllm
+@journeys_from_vllm
 def test_outage_is_counted_reported_once_and_recovered(
     monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], receiver: Receiver
 ) -> None:
@@ -173,7 +173,7 @@ def _self_signed(tmp: Path) -> tuple[Path, Path]:
     return cert_file, key_file
 
 
-@requires_vllm
+@journeys_from_vllm
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
 def test_tls_and_auth_headers_through_the_standard_variables(  # type: ignore[no-untyped-def]
     monkeypatch, tmp_path, protocol: str

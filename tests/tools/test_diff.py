@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import import_harness, requires_vllm
+from conftest import import_harness, journeys_from_vllm
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.config import MODE_THREAD, Config
 from vllm_journey_otel.engine import handoff, hooks
@@ -149,7 +149,7 @@ def engine_only(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@requires_vllm
+@journeys_from_vllm
 def test_phases_are_the_explained_causes_and_missing_is_not_zero(engine_only: Path) -> None:
     def read(attributes_of: frozenset[str] | None):  # type: ignore[no-untyped-def]
         return read_spans([engine_only], attributes_of=attributes_of)
@@ -169,7 +169,7 @@ def test_phases_are_the_explained_causes_and_missing_is_not_zero(engine_only: Pa
     assert sample.sorted_values(D.TTFT) == pytest.approx(ttft)
 
 
-@requires_vllm
+@journeys_from_vllm
 def test_a_file_against_itself(engine_only: Path, capsys: pytest.CaptureFixture[str]) -> None:
     f = str(engine_only)
     assert cli_main(["diff", f, f, "--json", "--fail-if", "e2e.p50 > +0%"]) == 0

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from conftest import import_harness, requires_vllm
+from conftest import import_harness, journeys_from_vllm
 from trees import journeys
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.config import MODE_THREAD, Config
@@ -27,7 +27,7 @@ from vllm_journey_otel.tools.cli import main as cli_main
 from vllm_journey_otel.tools.explain_text import NOT_OBSERVED, format_journey
 from vllm_journey_otel.tools.tracefile import FileSpan, read_spans
 
-pytestmark = requires_vllm
+pytestmark = journeys_from_vllm
 harness = import_harness()
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from conftest import import_harness, requires_vllm
+from conftest import import_harness, journeys_from_vllm
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.engine import handoff
 from vllm_journey_otel.tools import perfetto as P
@@ -365,7 +365,7 @@ def _check_counters(view: View, steps: list[FileSpan], fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", ["proto", "json"])
-@requires_vllm
+@journeys_from_vllm
 def test_journeys_tracks_slices_flows_counters(
     traced: tuple[list[Path], Path], tmp_path: Path, fmt: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -388,7 +388,7 @@ def test_journeys_tracks_slices_flows_counters(
     assert waits and all(w.parent and w.parent.name == S.SPAN_QUEUED for w in waits)
 
 
-@requires_vllm
+@journeys_from_vllm
 def test_span_order_and_duplicates_do_not_matter(
     traced: tuple[list[Path], Path], tmp_path: Path
 ) -> None:
@@ -410,7 +410,7 @@ def test_span_order_and_duplicates_do_not_matter(
     assert [e for e in events(a) if '"C"' not in e] == [e for e in events(b) if '"C"' not in e]
 
 
-@requires_vllm
+@journeys_from_vllm
 def test_limit_keeps_the_slowest(traced: tuple[list[Path], Path], tmp_path: Path) -> None:
     files, _ = traced
     out = tmp_path / "slow.json"
@@ -423,7 +423,7 @@ def test_limit_keeps_the_slowest(traced: tuple[list[Path], Path], tmp_path: Path
     _check_journeys(view, wants, "json")
 
 
-@requires_vllm
+@journeys_from_vllm
 def test_without_the_perfetto_package(
     traced: tuple[list[Path], Path],
     tmp_path: Path,

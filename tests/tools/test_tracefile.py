@@ -14,7 +14,7 @@ import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from conftest import REQUIRE_VLLM, import_harness, requires_vllm
+from conftest import REQUIRE_VLLM, import_harness, journeys_from_vllm
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.config import MODE_THREAD, Config
 from vllm_journey_otel.engine import handoff, hooks
@@ -25,7 +25,7 @@ from vllm_journey_otel.tools.cli import main as cli_main
 from vllm_journey_otel.tools.summary import percentile, summarize
 from vllm_journey_otel.tools.tracefile import FileSpan, read_spans
 
-pytestmark = requires_vllm
+pytestmark = journeys_from_vllm
 harness = import_harness()
 
 
