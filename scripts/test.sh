@@ -50,8 +50,10 @@ releases() {
   local version failed=0
   # Against each other release, the tests that need vLLM (marked `vllm` by
   # tests/conftest.py: a real Scheduler, the plugin in vLLM, the self-check); the
-  # rest (tools, deploy kit, packaging, pipeline) does not import vLLM and runs
-  # on 0.32 only. Their compiled parts are absent here, so `vllm serve` (the e2e
+  # rest (tools, deploy kit, the exporter, pipeline) runs on 0.32 only, the tests
+  # among them that take their journeys from a real Scheduler too
+  # (`journeys_from_vllm`: vLLM's release does not change what they test).
+  # The releases' compiled parts are absent here, so `vllm serve` (the e2e
   # tests) runs on 0.32 only; each release's scheduler runs for real.
   for version in 0.30.0 0.31.0 0.33.0; do
     echo "== pytest, vLLM $version (sources on PYTHONPATH; the tests that need vLLM, not e2e)"
