@@ -30,7 +30,7 @@ OTLP gRPC to a receiver here), api-off (``VLLM_JOURNEY_OTEL_API_SPANS=0``); with
 
     .venv/bin/python benchmarks/serve_short.py [--rounds 9] [--client wrk] [--seconds 8]
         [--requests 384] [--concurrency 48] [--tokens 8] [--modes off,off-2,on,api-off]
-        [--threads] [--pin 0:1] [--before SRC]
+        [--threads] [--pin 0:1] [--pin-client 1] [--before SRC]
 """
 
 from __future__ import annotations
@@ -109,6 +109,8 @@ def load_wrk(server: VllmServer, args: argparse.Namespace) -> tuple[int, float]:
     script = ROOT / "benchmarks" / "wrk" / "short_requests.lua"
     argv = ["wrk", "-t1", f"-c{args.concurrency}", f"-d{args.seconds}s", "--timeout", "60s",
             "-s", str(script), server.url, "--", server.model, str(args.tokens)]  # fmt: skip
+    if args.pin_client:
+        argv = ["taskset", "-c", args.pin_client, *argv]
     out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
     summary = json.loads(out.strip().splitlines()[-1])
     bad = {k: v for k, v in summary.items() if k.endswith(("errors", "timeouts", "2xx")) and v}
@@ -344,6 +346,11 @@ def main() -> None:
         help="place every round alike: the model worker's threads on CPUs WORKER "
         "(VLLM_CPU_OMP_THREADS_BIND), the API server, engine core and exporters on CPUs "
         "REST (taskset), e.g. 0:1; the client is not pinned",
+    )
+    p.add_argument(
+        "--pin-client",
+        metavar="CPUS",
+        help="wrk on CPUS (taskset), e.g. 1: the client placed alike in every round too",
     )
     args = p.parse_args()
     args.model = build(ROOT / ".cache" / "tiny-llama")
