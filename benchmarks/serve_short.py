@@ -30,7 +30,7 @@ OTLP gRPC to a receiver here), api-off (``VLLM_JOURNEY_OTEL_API_SPANS=0``); with
 
     .venv/bin/python benchmarks/serve_short.py [--rounds 9] [--client wrk] [--seconds 8]
         [--requests 384] [--concurrency 48] [--tokens 8] [--modes off,off-2,on,api-off]
-        [--threads] [--pin 0:1] [--pin-client 1] [--before SRC]
+        [--threads] [--pin 0:1] [--pin-client 0] [--before SRC]
 """
 
 from __future__ import annotations
@@ -269,7 +269,8 @@ def report(rows: list[dict[str, Any]], modes: list[str], failed: Counter[str]) -
     fastest = max(row["requests_per_s"] for row in rows)
     out: dict[str, Any] = {
         "slow_round": f"requests/s < the fastest round's / {SLOW_FACTOR} ({fastest:.0f} / "
-        f"{SLOW_FACTOR}): a server that started in vLLM's slow mode, whichever mode it runs"
+        f"{SLOW_FACTOR}): here the load client sharing the API server's and engine core's CPU "
+        "(docs/performance.md), whichever mode it runs"
     }
     for mode in modes:
         mine = [row for row in rows if row["mode"] == mode]
@@ -345,14 +346,17 @@ def main() -> None:
         type=lambda text: tuple(text.split(":", 1)),
         help="place every round alike: the model worker's threads on CPUs WORKER "
         "(VLLM_CPU_OMP_THREADS_BIND), the API server, engine core and exporters on CPUs "
-        "REST (taskset), e.g. 0:1; the client is not pinned",
+        "REST (taskset), e.g. 0:1; the client: --pin-client",
     )
     p.add_argument(
         "--pin-client",
         metavar="CPUS",
-        help="wrk on CPUS (taskset), e.g. 1: the client placed alike in every round too",
+        help="wrk on CPUS (taskset), e.g. 0 (beside the model worker with --pin 0:1): the "
+        "client placed alike in every round too (wrk only)",
     )
     args = p.parse_args()
+    if args.pin_client and args.client != "wrk":
+        p.error("--pin-client places wrk: use it with --client wrk")
     args.model = build(ROOT / ".cache" / "tiny-llama")
     receiver = Receiver()
     receiver.start_grpc()

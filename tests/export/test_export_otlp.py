@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from conftest import import_harness, journeys_from_vllm
+from conftest import import_harness, journeys_from_vllm, requires_vllm
 from otlp_receiver import Receiver
 from services import wait_until
 from vllm_journey_otel import __version__
@@ -66,6 +66,9 @@ def _check_received(receiver: Receiver) -> None:
     assert res[S.RES_VLLM_VERSION] == vllm.__version__
 
 
+# Per release too: the resource it checks is built from each release's config
+# (vLLM's version, the data-parallel rank, the model).
+@requires_vllm
 @pytest.mark.parametrize("mode", [MODE_PROCESS, MODE_THREAD])
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
 def test_otlp_protocols(receiver, monkeypatch, protocol: str, mode: str) -> None:  # type: ignore[no-untyped-def]
