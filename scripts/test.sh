@@ -34,7 +34,9 @@ SELECTED=$#
 
 run_pytest() {
   local rc=0
-  python -m pytest -q -p no:cacheprovider "$@" || rc=$?
+  # The slowest tests and fixtures (a served module's server start is its first
+  # test's setup): where the suite's time goes, in every CI log.
+  python -m pytest -q -p no:cacheprovider --durations=15 --durations-min=2 "$@" || rc=$?
   # 5: no test collected; with no arguments every run has tests, so it is a failure then.
   if [ "$rc" = 5 ] && [ "$SELECTED" -gt 0 ]; then rc=0; fi
   return "$rc"

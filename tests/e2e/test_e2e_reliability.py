@@ -24,16 +24,17 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import psutil
 import pytest
 
+from bad_input import send_bad_input
 from conftest import requires_vllm
 from fault_proxy import BLACKHOLE, DOWN, FORWARD, FaultProxy
-from otlp_receiver import Receiver, wire_spans
+from otlp_receiver import Receiver, running_receiver, wire_spans
 from services import VllmServer, metric_value, wait_until
-from serving import client, journeys_in_trace, new_server, new_traceparent, ready, start_server
+from serving import client, journeys_in_trace, new_server, new_traceparent, start_together
 from trees import check_invariants
 from vllm_journey_otel import schema as S
 
@@ -70,6 +71,63 @@ def _exporter_pids(endpoint: str, not_for: int | None = None) -> list[int]:
     return pids
 
 
+class Served(NamedTuple):
+    server: VllmServer
+    receiver: Receiver
+
+
+@pytest.fixture(scope="module")
+def served(model_dir, tmp_path_factory) -> Iterator[dict[str, Any]]:  # type: ignore[no-untyped-def]
+    """Every server of this module, started together (a start is mostly one
+    process importing vLLM on one CPU: the tests' single starts overlap on two
+    CPUs), each exporting to a receiver of its own (the killed-exporter test
+    finds its exporters by their endpoint). The backend-faults server exports
+    through a proxy that is down from the start; ``reference`` is a plugin-off
+    server for that test. Each test stops its own servers; the rest stop here."""
+    with contextlib.ExitStack() as stack:
+        rx = {
+            name: stack.enter_context(contextlib.contextmanager(running_receiver)())
+            for name in ("sigterm", "faults", "killed")
+        }
+        proxy = FaultProxy(rx["faults"].grpc_port)
+        stack.callback(proxy.close)
+        proxy.set_mode(DOWN)  # the backend is down from the start
+        tmp = {name: tmp_path_factory.mktemp(name) for name in ("sigterm", "faults", "killed")}
+        # vLLM's defaults for SIGTERM: --shutdown-timeout 0 (abort in-flight
+        # requests at once). One request at a time: at the SIGTERM one is
+        # decoding and the others are queued, whatever the speed of this machine.
+        makers = {
+            "sigterm": lambda: new_server(
+                model_dir, tmp["sigterm"], rx["sigterm"], "2proc", max_model_len=4096,
+                args=["--max-num-seqs", "1"],
+            ),
+            "faults": lambda: new_server(
+                model_dir, tmp["faults"], rx["faults"], "3proc",
+                env={
+                    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{proxy.port}",
+                    "OTEL_EXPORTER_OTLP_TIMEOUT": "3",
+                    "VLLM_JOURNEY_OTEL_QUEUE_SIZE": "lots",  # a bad value: warned, default used
+                },
+            ),
+            "reference": lambda: VllmServer(
+                model_dir, tmp["faults"] / "vllm-off.log", {"VLLM_JOURNEY_OTEL": "0"}
+            ),
+            "killed": lambda: new_server(model_dir, tmp["killed"], rx["killed"], "3proc"),
+        }  # fmt: skip
+        servers = start_together(makers)
+        try:
+            yield {
+                "sigterm": Served(servers["sigterm"], rx["sigterm"]),
+                "faults": Served(servers["faults"], rx["faults"]),
+                "reference": servers["reference"],
+                "proxy": proxy,
+                "killed": Served(servers["killed"], rx["killed"]),
+            }
+        finally:
+            for server in servers.values():
+                server.stop()
+
+
 # ---------------------------------------------------------------------------
 # SIGTERM with requests in flight
 # ---------------------------------------------------------------------------
@@ -77,19 +135,13 @@ def _exporter_pids(endpoint: str, not_for: int | None = None) -> list[int]:
 # what reaches the engine before the SIGTERM varied too much between runs here
 # (once only 3 of the 8 requests had reached it); measured there by hand, see
 # docs/reliability.md. test_e2e_serve.py's SIGTERM test covers both layouts.
-@pytest.mark.parametrize("layout", ["2proc"])
-def test_sigterm_with_requests_in_flight_exports_them_aborted(  # type: ignore[no-untyped-def]
-    model_dir, receiver, tmp_path, layout: str
-) -> None:
+def test_sigterm_with_requests_in_flight_exports_them_aborted(served) -> None:  # type: ignore[no-untyped-def]
     import httpx
 
-    # vLLM's defaults: --shutdown-timeout 0 (abort in-flight requests at once).
-    # One request at a time: at the SIGTERM one is decoding and the others are
-    # queued, whatever the speed of this machine (8 x 4,000 tokens one after the
-    # other take far longer than the test waits).
-    server = start_server(
-        model_dir, tmp_path, receiver, layout, max_model_len=4096, args=["--max-num-seqs", "1"]
-    )
+    # 8 x 4,000 tokens one after the other (--max-num-seqs 1) take far longer
+    # than the test waits: at the SIGTERM one decodes and the others are queued.
+    server, receiver = served["sigterm"]
+    layout = "2proc"
     tp, trace_id, _ = new_traceparent()
     n = 8
 
@@ -202,35 +254,12 @@ def _tree(server: VllmServer) -> list[int]:
     return [root.pid, *(p.pid for p in root.children(recursive=True))]
 
 
-@pytest.fixture(scope="module")
-def reference(model_dir, tmp_path_factory) -> Iterator[VllmServer]:  # type: ignore[no-untyped-def]
-    """A plugin-off server for the same workload (the outputs to match, the
-    ports to compare), started and not yet ready: the test starts its own beside it."""
-    tmp = tmp_path_factory.mktemp("reference")
-    server = VllmServer(model_dir, tmp / "vllm-off.log", {"VLLM_JOURNEY_OTEL": "0"})
-    yield server
-    server.stop()
-
-
-def test_backend_faults_never_reach_serving(  # type: ignore[no-untyped-def]
-    model_dir, tmp_path, receiver, reference
-) -> None:
-    proxy = FaultProxy(receiver.grpc_port)
-    proxy.set_mode(DOWN)  # the backend is down from the start
-    server = new_server(
-        model_dir, tmp_path, receiver, "3proc",
-        env={
-            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{proxy.port}",
-            "OTEL_EXPORTER_OTLP_TIMEOUT": "3",
-            "VLLM_JOURNEY_OTEL_QUEUE_SIZE": "lots",  # a bad value: warned, default used
-        },
-    )  # fmt: skip
+def test_backend_faults_never_reach_serving(served) -> None:  # type: ignore[no-untyped-def]
+    # The plugin-off server's outputs to match and ports to compare.
+    reference, proxy = served["reference"], served["proxy"]
+    server, receiver = served["faults"]
     try:
-        ready(reference, server)
         expected = {"tokens": _token_ids(reference), "listening": _listening(_tree(reference))}
-    except BaseException:
-        server.stop()
-        raise
     finally:
         reference.stop()
     outputs: dict[str, list[list[int]]] = {}
@@ -272,7 +301,7 @@ def test_backend_faults_never_reach_serving(  # type: ignore[no-untyped-def]
         arrived("after")
 
         # Bad input, on the recovered backend.
-        bad = _bad_input(server, receiver)
+        bad = send_bad_input(server, receiver)
         # Nothing of ours listens: the exporter has no listening socket, and the
         # server's processes listen on as many ports as without the plugin.
         exporters = _exporter_pids(f"http://127.0.0.1:{proxy.port}")
@@ -282,7 +311,6 @@ def test_backend_faults_never_reach_serving(  # type: ignore[no-untyped-def]
         secret_root = _secret_request(server, receiver)
     finally:
         server.stop()
-        proxy.close()
 
     for name, got in outputs.items():
         assert got == expected["tokens"], f"outputs changed in phase {name}"
@@ -344,89 +372,16 @@ def _secret_request(server: VllmServer, receiver: Receiver) -> Any:
     return root
 
 
-GOOD_TP = "00-" + "a" * 32 + "-" + "b" * 16 + "-01"
-BAD_TRACEPARENTS = [
-    "", "garbage", GOOD_TP.upper(), GOOD_TP + "-extra", GOOD_TP[:-1], "ff" + GOOD_TP[2:],
-    "00-" + "0" * 32 + "-" + "b" * 16 + "-01", "00-" + "a" * 32 + "-" + "0" * 16 + "-01",
-    "00-" + "g" * 32 + "-" + "b" * 16 + "-01", GOOD_TP[:-2] + "zz", "x" * 8000,
-]  # fmt: skip
-BAD_TRACESTATES = ["=,==,", "k=" + "v" * 9000, ",".join(f"k{i}=v" for i in range(200))]
-
-
-def _bad_input(server: VllmServer, receiver: Receiver) -> int:
-    """Malformed trace context and request ids; returns how many inputs were tried."""
-    import httpx
-
-    body = {"model": server.model, "prompt": "bad input", "max_tokens": 2}
-    tried = 0
-    with httpx.Client(base_url=server.url, timeout=60) as http:
-
-        def post(headers: list[tuple[str, str | bytes]], rid: str) -> Any:
-            nonlocal tried
-            tried += 1
-            r = http.post("/v1/completions", json=body, headers=[("X-Request-Id", rid), *headers])
-            assert r.status_code == 200, (headers, r.text[:200])
-            return r
-
-        for i, tp in enumerate(BAD_TRACEPARENTS):
-            post([("traceparent", tp)], f"badtp-{i}")
-        for i, ts in enumerate(BAD_TRACESTATES):
-            post([("traceparent", GOOD_TP), ("tracestate", ts)], f"badts-{i}")
-        post([("traceparent", GOOD_TP), ("traceparent", "00-" + "c" * 32 + "-" + "d" * 16 + "-01")],
-             "duptp")  # fmt: skip
-        odd = 'odd id ü ✓ "quoted" <tag> ;,= \\ /../%00'
-        post([], "")  # an empty id
-        r = http.post("/v1/completions", json=body,
-                      headers=[("X-Request-Id", odd.encode())])  # fmt: skip
-        tried += 1
-        assert r.status_code == 200
-        post([], "long-" + "x" * 5000)
-        # Rejected before admission: no journey, the server goes on.
-        r = http.post("/v1/completions", json={**body, "max_tokens": 10**9})
-        tried += 1
-        assert r.status_code == 400
-
-    def roots() -> dict[str, Any]:
-        found = {}
-        for s in wire_spans(receiver):
-            rid = str(s.attributes.get(S.REQUEST_ID, ""))
-            if s.name == S.SPAN_REQUEST and rid.startswith(("cmpl-bad", "cmpl-dup", "cmpl-long")):
-                found[rid] = s
-        return found
-
-    expected = len(BAD_TRACEPARENTS) + len(BAD_TRACESTATES) + 2
-    got = wait_until(
-        lambda: (f := roots()) and len(f) >= expected and f, 30, what="bad-input roots"
-    )
-
-    # Each engine root hangs under the API server's span (its own exporter's).
-    def api_parents() -> dict[int, int | None]:
-        apis = {s.context.span_id: (s.parent.span_id if s.parent else None)
-                for s in wire_spans(receiver) if s.name == S.SPAN_API}  # fmt: skip
-        return apis if all(r.parent and r.parent.span_id in apis for r in got.values()) else {}
-
-    api_parent = wait_until(api_parents, 30, what="the API server's spans above them")
-    for rid, span in got.items():
-        if rid.startswith("cmpl-badtp-"):
-            # Its own trace: the API server's span is the root, the engine's under it.
-            assert api_parent[span.parent.span_id] is None, rid
-        elif rid.startswith("cmpl-badts-"):  # the client's span is the API span's parent
-            assert api_parent[span.parent.span_id] == int("b" * 16, 16), rid
-        elif rid.startswith("cmpl-long-"):
-            assert len(rid) == 1024, "attribute values are cut at the length limit"
-    return tried
-
-
 # ---------------------------------------------------------------------------
 # The exporter process killed while serving (as an OOM killer would)
 # ---------------------------------------------------------------------------
-def test_a_killed_exporter_is_replaced_while_serving(model_dir, receiver, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_killed_exporter_is_replaced_while_serving(served) -> None:  # type: ignore[no-untyped-def]
     """Requests keep coming while the exporter is SIGKILLed; serving goes on, the
     engine core starts a new exporter, and the journeys of requests sent after
     it started arrive whole, their roots counting what was dropped meanwhile.
     The engine core's exporter (the API server, the main process in this
     layout, has one of its own)."""
-    server = start_server(model_dir, tmp_path, receiver, "3proc")
+    server, receiver = served["killed"]
     api_server = server.pid
     endpoint = f"http://127.0.0.1:{receiver.grpc_port}"
     stop = threading.Event()
