@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import requires_vllm
-from otlp_receiver import WireSpan, wire_spans
+from otlp_receiver import Receiver, WireSpan, wire_spans
 from services import VllmServer, metric_value, wait_until
 from serving import (
     LAYOUTS,
@@ -253,25 +253,66 @@ def test_too_long_prompt_is_rejected_without_a_journey(server, module_receiver) 
 
 
 # ---------------------------------------------------------------------------
-# Preemption: a tiny KV cache, 32 concurrent 256-token requests
+# Preemption, then a graceful SIGTERM: a tiny KV cache, 32 concurrent
+# 256-token requests, and a 30 s batch delay (without the shutdown flush their
+# spans would still be queued at the end)
 # ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def preempting(model_dir, module_receiver, tmp_path_factory) -> Iterator[dict[str, VllmServer]]:  # type: ignore[no-untyped-def]
-    """Both layouts with a tiny KV cache, started together (each test stops its own)."""
+    """Both layouts with a tiny KV cache and a long batch delay, started
+    together (each test stops its own)."""
     servers = start_servers(
         model_dir, tmp_path_factory.mktemp("preempting"), module_receiver, LAYOUTS,
-        max_model_len=512, kv_cache_bytes="1M",
+        max_model_len=512, kv_cache_bytes="1M", env={"OTEL_BSP_SCHEDULE_DELAY": "30000"},
     )  # fmt: skip
     yield servers
     for server in servers.values():
         server.stop()
 
 
+LONG_TOKENS = 480  # within --max-model-len 512
+
+
+def _in_flight_at_sigterm(server: VllmServer, tp: str) -> threading.Thread:
+    """A streamed request for the test to SIGTERM the server under (vLLM aborts
+    it, or it finishes first): its thread, returned once its first chunk came
+    (it is decoding then)."""
+    decoding = threading.Event()
+
+    def request() -> None:
+        # A short client timeout: vLLM's API server waits for open connections
+        # before it exits, and this request's engine core is gone.
+        with contextlib.suppress(Exception):  # the server goes away under it
+            for _ in client(server).with_options(timeout=4.0).completions.create(
+                model=server.model, prompt="in flight at shutdown", max_tokens=LONG_TOKENS,
+                stream=True, extra_headers={"traceparent": tp}, extra_body={"ignore_eos": True},
+            ):  # fmt: skip
+                decoding.set()
+        decoding.set()
+
+    thread = threading.Thread(target=request, daemon=True)
+    thread.start()
+    assert decoding.wait(30), "the long request's first chunk"
+    return thread
+
+
+def _engine_roots(receiver: Receiver, trace_id: int) -> int:
+    return sum(
+        1
+        for s in wire_spans(receiver)
+        if s.name == S.SPAN_REQUEST and s.context.trace_id == trace_id
+    )
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_forced_preemption_matches_vllm_metrics(preempting, module_receiver, layout: str) -> None:  # type: ignore[no-untyped-def]
+def test_forced_preemption_then_sigterm_loses_nothing(  # type: ignore[no-untyped-def]
+    preempting, module_receiver, layout: str
+) -> None:
+    """Every preemption vLLM counts is a span; every journey finished before a
+    SIGTERM arrives (the shutdown flushes them), the one in flight as aborted."""
     server = preempting[layout]
+    tp, trace_id, span_id = new_traceparent()
     try:
-        tp, trace_id, span_id = new_traceparent()
         c = client(server)
         with ThreadPoolExecutor(32) as pool:
             results = list(
@@ -283,87 +324,38 @@ def test_forced_preemption_matches_vllm_metrics(preempting, module_receiver, lay
                     range(32),
                 )
             )  # fmt: skip
-        roots = journeys_in_trace(module_receiver, trace_id, count=32, timeout=120)
         preempted_total = metric_value(server.metrics(), "vllm:num_preemptions_total")
+        long_request = _in_flight_at_sigterm(server, tp)
+        before = _engine_roots(module_receiver, trace_id)
+        server.signal(signal.SIGTERM)
+        server.proc.wait(timeout=60)
+        long_request.join(10)
     finally:
         server.stop()
-    assert len(roots) == 32
+    assert before < 32, "precondition: journeys still queued at the SIGTERM"
+    roots = journeys_in_trace(module_receiver, trace_id, count=33, timeout=10)
     assert sum(r.usage.completion_tokens for r in results) == 32 * 256
-    spans_preempted = sum(len(r.kids(S.SPAN_PREEMPTED)) for r in roots)
+    short = [r for r in roots if r.attrs[S.GEN_AI_MAX_TOKENS] == 256]
+    assert len(short) == 32
+    spans_preempted = sum(len(r.kids(S.SPAN_PREEMPTED)) for r in short)
     assert preempted_total > 0, "precondition: the KV cache forced preemptions"
     assert spans_preempted == preempted_total
-    assert sum(r.attrs[S.NUM_PREEMPTIONS] for r in roots) == preempted_total
-    for root in roots:
-        check_invariants(root)
-        assert_parented(root, trace_id, span_id)
+    assert sum(r.attrs[S.NUM_PREEMPTIONS] for r in short) == preempted_total
+    for root in short:
         assert root.attrs[S.GEN_AI_OUTPUT_TOKENS] == 256
         assert root.attrs[S.FINISH_STATUS] == S.FINISH_LENGTH
         for p in root.kids(S.SPAN_PREEMPTED):
             assert 0.0 < p.attrs[S.KV_CACHE_USAGE] <= 1.0
         for c_ in root.kids(S.SPAN_SCHEDULED)[1:]:
             assert c_.attrs[S.SCHEDULE_KIND] == S.SCHEDULE_RESUME
-
-
-# ---------------------------------------------------------------------------
-# Graceful SIGTERM: journeys finished just before it all arrive
-# ---------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def flushing(model_dir, module_receiver, tmp_path_factory) -> Iterator[dict[str, VllmServer]]:  # type: ignore[no-untyped-def]
-    """Both layouts with a long batch delay: without the shutdown flush their
-    spans would still be queued at the end. Started together; each test stops its own."""
-    servers = start_servers(
-        model_dir, tmp_path_factory.mktemp("flushing"), module_receiver, LAYOUTS,
-        env={"OTEL_BSP_SCHEDULE_DELAY": "30000"},
-    )  # fmt: skip
-    yield servers
-    for server in servers.values():
-        server.stop()
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_sigterm_after_requests_loses_nothing(flushing, module_receiver, layout: str) -> None:  # type: ignore[no-untyped-def]
-    server = flushing[layout]
-    tp, trace_id, _ = new_traceparent()
-    try:
-        c = client(server)
-        with ThreadPoolExecutor(6) as pool:
-            list(
-                pool.map(
-                    lambda i: c.completions.create(
-                        model=server.model, prompt=f"bye {i}", max_tokens=8,
-                        extra_headers={"traceparent": tp}, extra_body={"ignore_eos": True},
-                    ),
-                    range(6),
-                )
-            )  # fmt: skip
-        # Still-running requests at SIGTERM are aborted by vLLM and exported as aborted.
-        stop = threading.Event()
-
-        def background() -> None:
-            # A short client timeout: vLLM's API server waits for open connections
-            # before it exits, and this request's engine core is gone.
-            short = c.with_options(timeout=4.0)
-            with contextlib.suppress(Exception):  # the server goes away under it
-                short.completions.create(
-                    model=server.model, prompt="in flight at shutdown", max_tokens=1500,
-                    extra_headers={"traceparent": tp}, extra_body={"ignore_eos": True},
-                )  # fmt: skip
-            stop.set()
-
-        threading.Thread(target=background, daemon=True).start()
-        time.sleep(1.0)
-        server.signal(signal.SIGTERM)
-        server.proc.wait(timeout=60)
-    finally:
-        server.stop()
-    roots = journeys_in_trace(module_receiver, trace_id, count=6, timeout=10)
-    short = [r for r in roots if r.attrs[S.GEN_AI_MAX_TOKENS] == 8]
-    assert len(short) == 6
-    assert {r.attrs[S.FINISH_STATUS] for r in short} == {S.FINISH_LENGTH}
     # The long request was aborted by the shutdown (the plugin's shutdown grace
     # lets the engine core abort it before vLLM's SIGKILL), unless it finished first.
-    long = [r for r in roots if r.attrs[S.GEN_AI_MAX_TOKENS] == 1500]
-    assert len(long) == 1
+    long = [r for r in roots if r.attrs[S.GEN_AI_MAX_TOKENS] == LONG_TOKENS]
+    assert len(long) == 1 and len(roots) == 33
     assert {r.attrs[S.FINISH_STATUS] for r in long} <= {S.FINISH_ABORTED, S.FINISH_LENGTH}
     for root in roots:
         check_invariants(root)
+        assert_parented(root, trace_id, span_id)
+    print(f"{layout}: {preempted_total:.0f} preemptions; {before} of 32 journeys exported "
+          f"before the SIGTERM, all 32 after; the one in flight: "
+          f"{long[0].attrs[S.FINISH_STATUS]}")  # fmt: skip
