@@ -8,6 +8,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSIONS=("$@")
+# Any Python with pip will do (only `pip download` and zipfile): the one
+# scripts/setup.sh makes .venv with, so this can run beside setup.sh (the test
+# venv may be half made then); the test venv's where that one has no pip.
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+"$PY" -m pip --version >/dev/null 2>&1 || PY=.venv/bin/python
 [ ${#VERSIONS[@]} -gt 0 ] || VERSIONS=(0.30.0 0.31.0 0.33.0)
 for VERSION in "${VERSIONS[@]}"; do
   DEST=.cache/vllm-$VERSION
@@ -17,10 +23,10 @@ for VERSION in "${VERSIONS[@]}"; do
   mkdir -p .cache/wheels
   if ! ls .cache/wheels/vllm-"$VERSION"-*.whl >/dev/null 2>&1; then
     echo "[fetch] downloading the vllm $VERSION wheel (about 320 MB)"
-    .venv/bin/python -m pip download -q --no-deps --only-binary=:all: "vllm==$VERSION" -d .cache/wheels
+    "$PY" -m pip download -q --no-deps --only-binary=:all: "vllm==$VERSION" -d .cache/wheels
   fi
   rm -rf "$DEST.tmp" && mkdir -p "$DEST.tmp"
-  .venv/bin/python - "$DEST.tmp" .cache/wheels/vllm-"$VERSION"-*.whl <<'PY'
+  "$PY" - "$DEST.tmp" .cache/wheels/vllm-"$VERSION"-*.whl <<'PY'
 import sys, zipfile
 dest, wheel = sys.argv[1], sys.argv[2]
 with zipfile.ZipFile(wheel) as z:

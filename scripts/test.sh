@@ -7,16 +7,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Two independent chains at once (each mostly downloads and unpacks): the test
-# venv and the vLLM release sources it reads; Debian's packages and the backends'
-# venv (Phoenix + rotel for the end-to-end tests, Chromium for the timeline tests).
+# venv; the vLLM release sources the tests read, Debian's packages and the
+# backends' venv (Phoenix + rotel for the end-to-end tests, Chromium for the
+# timeline tests), which together take less time than the test venv.
 mkdir -p .cache
 # The background jobs and the commands they run (pip, pytest) stop when this
 # script exits early (a failure, or a signal it can trap).
 trap 'for job in $(jobs -p); do pkill -TERM -P "$job" 2>/dev/null || true; kill "$job" 2>/dev/null || true; done' EXIT
-( bash scripts/setup.sh --with-test-tools && bash scripts/fetch_vllm.sh 0.30.0 0.31.0 0.33.0 ) \
-  > .cache/setup-vllm.log 2>&1 &
+bash scripts/setup.sh --with-test-tools > .cache/setup-vllm.log 2>&1 &
 VLLM_SETUP=$!
-( bash scripts/setup_backends.sh && bash scripts/setup_chromium.sh ) > .cache/setup-backends.log 2>&1 &
+( bash scripts/fetch_vllm.sh 0.30.0 0.31.0 0.33.0 && bash scripts/setup_backends.sh \
+  && bash scripts/setup_chromium.sh ) > .cache/setup-backends.log 2>&1 &
 BACKENDS_SETUP=$!
 SETUP_OK=1
 wait "$VLLM_SETUP" || SETUP_OK=0
