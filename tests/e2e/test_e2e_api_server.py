@@ -1,8 +1,9 @@
 """End to end: the API server's part of each request (vllm.api.*) on a real
 `vllm serve` with a real OpenAI client, in both process layouts, with vLLM's own
 tracing on too (its llm_request spans to the same receiver: the truth check of
-our intervals against vLLM's own, per request); a server under
-OpenTelemetry's FastAPI instrumentation; two API servers (--api-server-count 2).
+our intervals against vLLM's own, per request); a request seen in flight before
+it ends; a server under OpenTelemetry's FastAPI instrumentation; two API
+servers (--api-server-count 2); data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -44,12 +45,19 @@ ERROR = 2  # OTLP status code
 
 @pytest.fixture(scope="module")
 def traced(model_dir, module_receiver, tmp_path_factory) -> Iterator[dict[str, VllmServer]]:  # type: ignore[no-untyped-def]
-    """Both layouts with vLLM's own tracing on too, started together."""
+    """Both layouts with vLLM's own tracing on too, started together. In-flight
+    snapshots after 0.3 s (a request of a few tokens ends well before; the tree
+    helpers leave snapshots out of a journey's tree) and a 100 ms batch delay
+    (each snapshot reaches the receiver while its request is still running)."""
     endpoint = f"http://127.0.0.1:{module_receiver.grpc_port}"
     servers = start_servers(
         model_dir, tmp_path_factory.mktemp("api"), module_receiver, LAYOUTS,
         args=["--otlp-traces-endpoint", endpoint],
-        env={"OTEL_EXPORTER_OTLP_TRACES_INSECURE": "true"},
+        env={
+            "OTEL_EXPORTER_OTLP_TRACES_INSECURE": "true",
+            "VLLM_JOURNEY_OTEL_IN_FLIGHT_S": "0.3",
+            "OTEL_BSP_SCHEDULE_DELAY": "100",
+        },
     )  # fmt: skip
     yield servers
     for s in servers.values():
@@ -224,6 +232,46 @@ def test_a_client_that_goes_away_is_marked_and_its_journey_aborted(server, modul
     assert tree.attrs[S.API_DISCONNECTED] is True, (tree.attrs, engine.attrs)
     assert engine.attrs[S.FINISH_STATUS] == S.FINISH_ABORTED
     assert not tree.kids(S.SPAN_API_OUTPUT)  # the engine's last output never came
+
+
+def test_a_long_request_is_seen_in_flight(server, module_receiver) -> None:  # type: ignore[no-untyped-def]
+    """Four concurrent 2,000-token completions stay in flight for seconds: the
+    receiver gets ``vllm.in_flight`` snapshots of the traced one before its
+    final journey, which is their parent."""
+    receiver = module_receiver
+    tp, trace_id, _ = new_traceparent()
+    c = client(server)
+
+    def complete(i: int) -> int:
+        headers = {"traceparent": tp} if i == 0 else {}
+        r = c.completions.create(
+            model=server.model, prompt=f"a long answer {i}", max_tokens=2000,
+            extra_headers=headers, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        return r.usage.completion_tokens
+
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(complete, range(4))) == [2000] * 4
+    (root,) = journeys_in_trace(receiver, trace_id)
+    arrived = wire_spans(receiver)
+    ours = [s for s in arrived if s.context.trace_id == trace_id]
+    snaps = [s for s in ours if s.name == S.SPAN_IN_FLIGHT]
+    assert snaps, "no snapshot of a request in flight for seconds"
+    # It arrived before the final journey, which was exported when the request ended.
+    first_root = next(i for i, s in enumerate(ours) if s.name == S.SPAN_REQUEST)
+    assert ours.index(snaps[0]) < first_root
+    first = min(snaps, key=lambda s: s.attributes[S.IN_FLIGHT_SNAPSHOT])
+    a = first.attributes
+    # Level n: taken at least 2 ** (n - 1) thresholds after admission (the drain
+    # thread looks once a second, so the first may already be past level 1).
+    level = a[S.IN_FLIGHT_SNAPSHOT]
+    assert level >= 1 and a[S.IN_FLIGHT_MS] >= 300 * 2 ** (level - 1)
+    assert a[S.IN_FLIGHT_STATE] == S.IN_FLIGHT_RUNNING  # four requests fit one batch
+    assert 0 <= a[S.DECODE_DONE_TOKENS] < 2000
+    assert a[S.REQUEST_ID] == root.attrs[S.REQUEST_ID]
+    for s in snaps:
+        assert s.parent is not None and s.parent.span_id == root.span.context.span_id
+        assert root.start <= s.start_time and s.end_time < root.end
 
 
 @pytest.fixture(scope="module")
