@@ -9,11 +9,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSIONS=("$@")
 # Any Python with pip will do (only `pip download` and zipfile): the one
-# scripts/setup.sh makes .venv with, so this can run beside setup.sh (the test
-# venv may be half made then); the test venv's where that one has no pip.
+# scripts/setup.sh makes .venv with, never .venv itself (this runs beside
+# setup.sh, which may be making it); where that Python has no pip, a venv of
+# this script's own (ensurepip brings one).
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
-"$PY" -m pip --version >/dev/null 2>&1 || PY=.venv/bin/python
+if ! "$PY" -m pip --version >/dev/null 2>&1; then
+  [ -x .cache/fetch-venv/bin/python ] || "$PY" -m venv .cache/fetch-venv
+  PY=.cache/fetch-venv/bin/python
+fi
 [ ${#VERSIONS[@]} -gt 0 ] || VERSIONS=(0.30.0 0.31.0 0.33.0)
 for VERSION in "${VERSIONS[@]}"; do
   DEST=.cache/vllm-$VERSION

@@ -83,7 +83,8 @@ def served(model_dir, tmp_path_factory) -> Iterator[dict[str, Any]]:  # type: ig
     CPUs), each exporting to a receiver of its own (the killed-exporter test
     finds its exporters by their endpoint). The backend-faults server exports
     through a proxy that is down from the start; ``reference`` is a plugin-off
-    server for that test. Each test stops its own servers; the rest stop here."""
+    server for that test. Each test stops its own servers; the rest stop here.
+    Four servers (eleven vLLM processes) are up at once: about 6 GiB here."""
     with contextlib.ExitStack() as stack:
         rx = {
             name: stack.enter_context(contextlib.contextmanager(running_receiver)())

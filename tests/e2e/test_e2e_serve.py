@@ -275,8 +275,8 @@ LONG_TOKENS = 480  # within --max-model-len 512
 
 def _in_flight_at_sigterm(server: VllmServer, tp: str) -> threading.Thread:
     """A streamed request for the test to SIGTERM the server under (vLLM aborts
-    it, or it finishes first): its thread, returned once its first chunk came
-    (it is decoding then)."""
+    it, or it ends before the abort reaches it): its thread, returned once its
+    first chunk came (it is decoding then)."""
     decoding = threading.Event()
 
     def request() -> None:
@@ -288,7 +288,6 @@ def _in_flight_at_sigterm(server: VllmServer, tp: str) -> threading.Thread:
                 stream=True, extra_headers={"traceparent": tp}, extra_body={"ignore_eos": True},
             ):  # fmt: skip
                 decoding.set()
-        decoding.set()
 
     thread = threading.Thread(target=request, daemon=True)
     thread.start()
@@ -327,12 +326,14 @@ def test_forced_preemption_then_sigterm_loses_nothing(  # type: ignore[no-untype
         preempted_total = metric_value(server.metrics(), "vllm:num_preemptions_total")
         long_request = _in_flight_at_sigterm(server, tp)
         before = _engine_roots(module_receiver, trace_id)
+        assert long_request.is_alive(), "precondition: a request in flight at the SIGTERM"
         server.signal(signal.SIGTERM)
         server.proc.wait(timeout=60)
         long_request.join(10)
     finally:
         server.stop()
-    assert before < 32, "precondition: journeys still queued at the SIGTERM"
+    # The batch delay runs from the oldest span waiting: none had left by then.
+    assert before == 0, f"precondition: journeys still queued at the SIGTERM ({before} left)"
     roots = journeys_in_trace(module_receiver, trace_id, count=33, timeout=10)
     assert sum(r.usage.completion_tokens for r in results) == 32 * 256
     short = [r for r in roots if r.attrs[S.GEN_AI_MAX_TOKENS] == 256]
@@ -349,7 +350,8 @@ def test_forced_preemption_then_sigterm_loses_nothing(  # type: ignore[no-untype
         for c_ in root.kids(S.SPAN_SCHEDULED)[1:]:
             assert c_.attrs[S.SCHEDULE_KIND] == S.SCHEDULE_RESUME
     # The long request was aborted by the shutdown (the plugin's shutdown grace
-    # lets the engine core abort it before vLLM's SIGKILL), unless it finished first.
+    # lets the engine core abort it before vLLM's SIGKILL), unless it ended
+    # before the abort reached the engine core.
     long = [r for r in roots if r.attrs[S.GEN_AI_MAX_TOKENS] == LONG_TOKENS]
     assert len(long) == 1 and len(roots) == 33
     assert {r.attrs[S.FINISH_STATUS] for r in long} <= {S.FINISH_ABORTED, S.FINISH_LENGTH}
