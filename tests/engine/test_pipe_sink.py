@@ -403,8 +403,11 @@ def test_drain_thread_leaves_the_queue_to_a_stepping_engine(pipes) -> None:  # t
     for j in journeys(2, start=2):
         pipeline.submit(j)
     assert pipeline.engine_hands_on(t0 + PUBLISH_INTERVAL_NS)
-    # The engine stopped calling (a step that takes seconds): drain.
-    assert not pipeline.engine_hands_on(t0 + 2 * PUBLISH_INTERVAL_NS)
+    assert pipeline.due_ns == t0 + PUBLISH_INTERVAL_NS, "the engine calls again from then"
+    # Due a step's length ago, still the engine's; the engine stopped calling
+    # (a step that takes seconds): drain.
+    assert pipeline.engine_hands_on(t0 + 2 * PUBLISH_INTERVAL_NS)
+    assert not pipeline.engine_hands_on(t0 + 3 * PUBLISH_INTERVAL_NS)
     # A full pipe: the engine's offer is declined, the drain thread must write.
     for size in (1024, 1):  # writes up to PIPE_BUF are all or nothing: fill every byte
         with contextlib.suppress(BlockingIOError):

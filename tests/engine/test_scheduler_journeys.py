@@ -490,6 +490,17 @@ def test_admission_records_the_schedulers_counters(tracing, async_scheduling: bo
     assert seen["third"][1] == 1 and seen["third"][0] > 0, "precondition: first is running"
     for _ in range(5):
         e.step()
+    # Between two steps, admissions around an abort that frees KV blocks: each
+    # reads the usage of its own moment (the tracker keeps vLLM's figure for a
+    # burst of admissions, not across a freed request).
+    e.add("victim", prompt_len=16, max_tokens=30)
+    e.step()
+    e.add("before abort", prompt_len=8, max_tokens=2)
+    seen["before abort"] = counts()
+    e.abort("victim")
+    e.add("after abort", prompt_len=8, max_tokens=2)
+    seen["after abort"] = counts()
+    assert seen["after abort"][0] < seen["before abort"][0], "precondition: blocks freed"
     e.compile_grammar("grammar")
     e.run()
     journeys = tracing.journeys()

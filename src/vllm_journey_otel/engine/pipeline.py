@@ -150,6 +150,10 @@ class JourneyPipeline:
         # holds the drain lock (the loss account says who writes what).
         # ``_declined`` is set by the owner and cleared by either (publish_due, drain).
         self._last_publish_ns = 0
+        # When the owner's next hand-off is due (engine monotonic clock): the
+        # engine thread compares a step's stamp with it before it calls
+        # publish_due, one attribute read per step instead of a call.
+        self.due_ns = 0
         # Written by the owner in publish_due, read by the drain thread
         # (engine monotonic clock): the engine's last call, and whether its last
         # offer was declined.
@@ -204,6 +208,7 @@ class JourneyPipeline:
         ):
             return
         self._last_publish_ns = now_ns
+        self.due_ns = now_ns + PUBLISH_INTERVAL_NS
         batch: list[Record] = []
         try:
             while True:
@@ -290,7 +295,8 @@ class JourneyPipeline:
 
     def engine_hands_on(self, now_ns: int | None = None) -> bool:
         """Drain thread: whether the owner is handing on (it called
-        :meth:`publish_due` within two intervals) and its last offer went through,
+        :meth:`publish_due` within three intervals: the engine thread calls it
+        at the first step's end after ``due_ns``) and its last offer went through,
         with no partial frame left. Then whatever is queued is the engine's to
         hand on within ``PUBLISH_INTERVAL_NS``, and the drain thread leaves it:
         every drain takes the GIL from the engine thread, and would split the
@@ -300,7 +306,7 @@ class JourneyPipeline:
         if self._declined or self.sink.pending:
             return False
         now_ns = time.monotonic_ns() if now_ns is None else now_ns
-        return now_ns - self._engine_seen_ns < 2 * PUBLISH_INTERVAL_NS
+        return now_ns - self._engine_seen_ns < 3 * PUBLISH_INTERVAL_NS
 
     def drain(self, deadline: float | None = None) -> int:
         """Hand every queued journey to the sink, in one batch; returns how many.

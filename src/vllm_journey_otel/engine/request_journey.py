@@ -151,7 +151,7 @@ class RequestJourney:
         max_tokens: int | None,
         priority: int = 0,
         lora_name: str | None = None,
-        trace_headers: Mapping[str, str] | None = None,
+        trace_headers: dict[str, str] | None = None,
         head_sampled: bool = True,
         spec_decode: bool = False,
         session: bool = False,
@@ -184,7 +184,9 @@ class RequestJourney:
         self.max_tokens = max_tokens
         self.priority = priority
         self.lora_name = lora_name
-        self.trace_headers = bounded_trace_headers(trace_headers) if trace_headers else None
+        # Bounded by the caller (bounded_trace_headers): the engine thread skips
+        # the copy for the API server's headers, which are bounded already.
+        self.trace_headers = trace_headers
         self.state = QUEUED
         self.events: list[Event] = []
         self.num_preemptions = 0

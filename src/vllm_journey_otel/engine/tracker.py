@@ -18,9 +18,20 @@ from vllm_journey_otel import schema as S
 from vllm_journey_otel.engine.compat import SKIPPED_REQUESTS, field_name
 from vllm_journey_otel.engine.disaggregation import KvHandoff
 from vllm_journey_otel.engine.pipeline import JourneyPipeline
-from vllm_journey_otel.engine.request_journey import PREEMPTED, RUNNING, RequestJourney
+from vllm_journey_otel.engine.request_journey import (
+    PREEMPTED,
+    RUNNING,
+    RequestJourney,
+    bounded_trace_headers,
+)
 from vllm_journey_otel.engine.state import _STATE, JOURNEY_ATTR
-from vllm_journey_otel.journey import STATUS_ABORTED, STATUS_ERROR, LinkTarget, StepRecord
+from vllm_journey_otel.journey import (
+    STATUS_ABORTED,
+    STATUS_ERROR,
+    LinkTarget,
+    StepRecord,
+    api_server_traceparent,
+)
 from vllm_journey_otel.rng import RNG
 
 _now = time.monotonic_ns
@@ -44,10 +55,12 @@ class SchedulerTracker:
         "in_update",
         "keep_headers",
         "kv",
+        "kv_usage",
         "last_update_ids",
         "last_update_mono_ns",
         "max_loras",
         "num_sampled",
+        "parent_based",
         "pipeline",
         "scheduler",
         "skipped_field",
@@ -69,7 +82,13 @@ class SchedulerTracker:
         self.hook_preempt = hook_preempt
         self.status_map = _STATE.status_map
         self.head = _STATE.head
+        self.parent_based = self.head.parent_based
         self.tail = _STATE.tail
+        # vLLM's KV cache usage, read at the first admission after the blocks may
+        # have changed (schedule, update, a freed request) and kept for the
+        # admissions after it: between steps vLLM adds requests in a burst, and
+        # adding one allocates no block. None: to be read.
+        self.kv_usage: float | None = None
         self.step = 0
         # request id -> (Request, RequestJourney) for requests whose current cycle
         # has no token yet (or that were preempted before their first token).
@@ -138,9 +157,22 @@ class SchedulerTracker:
                 j.wait_ended(_now(), self.step, _WAIT_STREAMING)
             return
         headers = request.trace_headers
-        if headers is not None and not self.keep_headers:
-            request.trace_headers = None
-        sampled, root_ids = self.head.decide(headers)
+        root_ids = None
+        tp = None
+        if headers is not None:
+            if not self.keep_headers:
+                request.trace_headers = None
+            if self.parent_based:
+                tp = api_server_traceparent(headers)
+        if tp is not None:
+            # The API server's own headers (the default path): its sampling
+            # decision is in their flags (HeadSampler.decide reads the same), and
+            # they are bounded already.
+            sampled = tp[-1] == "1"
+        else:
+            sampled, root_ids = self.head.decide(headers)
+            if headers is not None:
+                headers = bounded_trace_headers(headers)
         if not sampled and not self.tail.active:
             return  # an unsampled request costs this decision and nothing else
         sp = request.sampling_params
@@ -163,8 +195,12 @@ class SchedulerTracker:
             j.root_ids = root_ids
         # What the engine looked like when it was admitted, by vLLM's own counts
         # (its waiting count includes the queues it keeps beside `waiting`).
-        running, waiting = self.scheduler.get_request_counts()
-        j.admitted_engine = (float(self.scheduler.get_kv_cache_usage()), running, waiting)
+        s = self.scheduler
+        running, waiting = s.get_request_counts()
+        usage = self.kv_usage
+        if usage is None:
+            usage = self.kv_usage = float(s.get_kv_cache_usage())
+        j.admitted_engine = (usage, running, waiting)
         setattr(request, JOURNEY_ATTR, j)
         reason = self.status_waits.get(request.status)
         if reason is not None:  # a grammar to compile before it can be scheduled
@@ -173,6 +209,7 @@ class SchedulerTracker:
 
     # schedule --------------------------------------------------------------
     def after_schedule(self, t: int, out: Any) -> None:
+        self.kv_usage = None  # schedule() allocated and preempted
         self.step += 1
         step = self.step
         requests = self.scheduler.requests
@@ -414,15 +451,21 @@ class SchedulerTracker:
         self.in_update = False
         self.last_update_mono_ns = t
         self.last_update_ids = scheduler_output.num_scheduled_tokens
+        self.kv_usage = None  # blocks freed, KV transfers done
         if self.steps_open:
             rec = self.steps_open.pop(id(scheduler_output), None)
             if rec is not None:
                 step, t0, t1, *rest = rec
                 self.pipeline.submit(StepRecord(step, t0, t1, _now(), *rest))
-        # The last step before idling hands everything on: no later step would
-        # (idle as vLLM's busy loop sees it: sessions waiting for input, a pause).
+        # Finished journeys go on at most every PUBLISH_INTERVAL_NS, and at the
+        # last step before idling: no later step would (idle as vLLM's busy loop
+        # sees it: no request left, sessions waiting for input). A batch with
+        # running requests is not idle, which is read first (vLLM's own count is
+        # three calls); a pause with requests still running (vLLM's
+        # PAUSED_ALL) leaves the queue to the drain thread, within a second.
         pl, s = self.pipeline, self.scheduler
-        pl.publish_due(t, force=bool(pl.queued) and not s.has_unfinished_requests())
+        if t >= pl.due_ns or (pl.queued and not s.running and not s.has_unfinished_requests()):
+            pl.publish_due(t, force=True)
         awaiting = self.awaiting
         if not awaiting:
             return
@@ -441,6 +484,7 @@ class SchedulerTracker:
     # _free_request ---------------------------------------------------------
     def after_free(self, request: Any, kv_params: Any = None) -> None:
         """``kv_params``: the connector's ``kv_transfer_params`` for the response."""
+        self.kv_usage = None
         j: RequestJourney | None = getattr(request, JOURNEY_ATTR, None)
         if j is None:
             return
