@@ -18,6 +18,7 @@ from vllm_journey_otel import schema as S
 from vllm_journey_otel.engine.compat import SKIPPED_REQUESTS, field_name
 from vllm_journey_otel.engine.disaggregation import KvHandoff
 from vllm_journey_otel.engine.pipeline import JourneyPipeline
+from vllm_journey_otel.engine.queue_waits import QueueWaits
 from vllm_journey_otel.engine.request_journey import (
     PREEMPTED,
     RUNNING,
@@ -25,10 +26,10 @@ from vllm_journey_otel.engine.request_journey import (
     bounded_trace_headers,
 )
 from vllm_journey_otel.engine.state import _STATE, JOURNEY_ATTR
+from vllm_journey_otel.engine.step_view import StepView
 from vllm_journey_otel.journey import (
     STATUS_ABORTED,
     STATUS_ERROR,
-    LinkTarget,
     StepRecord,
     api_server_traceparent,
 )
@@ -36,13 +37,12 @@ from vllm_journey_otel.rng import RNG
 
 _now = time.monotonic_ns
 _frame = sys._getframe
-_WAIT_LORA = S.WAIT_REASONS.index(S.WAIT_LORA_SLOT)
 _WAIT_STREAMING = S.WAIT_REASONS.index(S.WAIT_STREAMING_INPUT)
 # A request status vLLM added after this was written: ended, reason unknown.
 _UNKNOWN_STATUS = (STATUS_ABORTED, "abort")
 
 
-class SchedulerTracker:
+class SchedulerTracker(QueueWaits, StepView):
     """Journey bookkeeping of one Scheduler instance (engine-core thread only)."""
 
     __slots__ = (
@@ -256,93 +256,6 @@ class SchedulerTracker:
         ratio = self.steps_ratio
         if ratio and nst and (ratio >= 1.0 or RNG.random() < ratio):
             self._step_begin(t, step, out)
-
-    def _step_begin(self, t: int, step: int, out: Any) -> None:
-        """Step view only: what the step scheduled. O(batch), on sampled steps only."""
-        s = self.scheduler
-        get = s.requests.get
-        prefill = decode = 0
-        links: list[LinkTarget] = []
-        append = links.append
-        for rid, n in out.num_scheduled_tokens.items():
-            req = get(rid)
-            if req is None:
-                continue
-            # Decode: one new position (plus drafts) after the prompt and every
-            # generated token; anything further behind is prompt or recompute.
-            if req.num_computed_tokens - n >= req.num_tokens - 1 and (
-                req.num_output_tokens > 0 or req.num_output_placeholders > 0
-            ):
-                decode += n
-            else:
-                prefill += n
-            j = getattr(req, JOURNEY_ATTR, None)
-            if j is not None and j.head_sampled:
-                append(j.link or j.link_target())
-        open_steps = self.steps_open
-        if len(open_steps) >= 64:
-            # Outputs never processed (an engine that dropped a batch): forget
-            # them rather than grow. With async scheduling at most a few are open.
-            open_steps.clear()
-        open_steps[id(out)] = (
-            step,
-            t,
-            _now(),
-            len(out.num_scheduled_tokens),
-            prefill,
-            decode,
-            len(out.preempted_req_ids),
-            float(s.kv_cache_manager.usage),
-            len(s.running),
-            len(s.waiting),
-            links,
-        )
-
-    def _blocked_waits(self, t: int, step: int) -> None:
-        """Requests in a status wait: the wait ends when vLLM changes the status
-        (it notices a compiled grammar or a finished KV load in schedule())."""
-        done = [rid for rid, (req, _, status) in self.blocked.items() if req.status != status]
-        for rid in done:
-            _, j, status = self.blocked.pop(rid)
-            j.wait_ended(t, step, self.status_waits[status])
-
-    def _deferred_waits(self, t: int, step: int, deferred: Any) -> None:
-        """Requests that schedule() skipped (``deferred_waiting``, ``skipped_waiting``
-        in 0.30: compat.FIELDS), only with
-        a LoRA config or a KV connector; O(skipped requests).
-
-        * Waiting for remote KV: the connector started an asynchronous load
-          (status WAITING_FOR_REMOTE_KVS); tracked in ``blocked`` from then on.
-        * Waiting for an adapter slot: ``max_loras`` adapters were in use by
-          running requests and the request's own was not one of them.
-        """
-        active: set[int] | None = None
-        blocked = self.blocked
-        for req in deferred:
-            j = getattr(req, JOURNEY_ATTR, None)
-            if j is None:
-                continue
-            status = req.status
-            reason = self.status_waits.get(status)
-            if reason is not None:
-                rid = req.request_id
-                if rid not in blocked:
-                    j.wait_began(t, step, reason)
-                    blocked[rid] = (req, j, status)
-                continue
-            lora = req.lora_request
-            if lora is None or not self.max_loras:
-                continue
-            if active is None:
-                active = {
-                    r.lora_request.lora_int_id
-                    for r in self.scheduler.running
-                    if r.lora_request is not None and r.lora_request.lora_int_id > 0
-                }
-            if len(active) >= self.max_loras and lora.lora_int_id not in active:
-                j.wait_began(t, step, _WAIT_LORA)
-            elif j.wait_reason == _WAIT_LORA:
-                j.wait_ended(t, step, _WAIT_LORA)
 
     # _preempt_request ------------------------------------------------------
     def before_preempt(self, request: Any) -> tuple[Any, ...] | None:
