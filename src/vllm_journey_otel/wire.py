@@ -84,7 +84,7 @@ DECODER = msgspec.msgpack.Decoder(Frame)
 
 
 # The exporter reads the pipe at most this often while journeys keep coming:
-# twenty of the engine's hand-off intervals (pipeline.PUBLISH_INTERVAL_NS), so
+# ten of the engine's hand-off intervals (pipeline.PUBLISH_INTERVAL_NS), so
 # a read finds frames waiting and the reader is rarely blocked in read() when
 # the engine thread writes, and the exporter's work comes in bursts of many
 # journeys: per journey, a burst every 0.5 s cost the exporters of a busy

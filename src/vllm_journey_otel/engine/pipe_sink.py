@@ -65,7 +65,7 @@ class PipeSink:
     With several exporters (one exporter process builds and encodes ~6,000
     journeys a second; docs/performance.md), each frame goes to the one that has
     been sent the fewest bytes so far, the next one if that pipe is full: frames
-    differ in size (a 25 ms hand-off from the engine thread vs. a drain of the
+    differ in size (a 50 ms hand-off from the engine thread vs. a drain of the
     queue), so plain turns would load one exporter with all the big ones. If
     every pipe is full, or the drain thread is writing, the offer is declined and
     the journeys take the queue; bytes an offer could only partly write are

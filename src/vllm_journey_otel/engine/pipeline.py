@@ -101,7 +101,7 @@ DRAIN_WRITE_S = 0.2
 # The owner hands finished journeys on at most this often (publish_due).
 # The exporter's paced read (wire.READ_PACE_S) is many times this, so that
 # each of its reads takes many hand-offs at once.
-PUBLISH_INTERVAL_NS = 25_000_000
+PUBLISH_INTERVAL_NS = 50_000_000
 # In-flight snapshots the drain thread hands on per wake-up, at most.
 WATCH_BATCH = 256
 # The drain thread's wake-up while the owner hands on by itself: in-flight
@@ -190,11 +190,11 @@ class JourneyPipeline:
 
         With the exporter pipe this is one msgspec encode and one non-blocking
         write, no thread hand-off (waking a thread costs the engine thread a GIL
-        switch), so finished journeys leave the engine core within about 25 ms
+        switch), so finished journeys leave the engine core within about 50 ms
         under load, and at once when the engine is about to idle: an abrupt
-        kill of a busy engine core loses at most the last 25 ms. (Every 10 ms
-        cost ~0.8 us more per journey on the engine thread, docs/performance.md:
-        a frame has a fixed cost, cold, and more journeys share it.) Whatever
+        kill of a busy engine core loses at most the last 50 ms. (A frame has
+        a fixed cost, cold, of about 50 us on the engine thread: every 25 ms
+        cost ~0.7 us more per journey than every 50 ms; docs/performance.md.) Whatever
         is declined or left waits for the drain thread, which this wakes.
         ``force`` skips the interval (the engine is about to idle, the API
         server's timer fired: no later call would hand these on soon).
