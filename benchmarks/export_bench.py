@@ -13,7 +13,7 @@ receiver) and the exporter process.
 
 Journeys are submitted in steps of 100 (``--step``), each followed by the engine
 thread's hand-off (``publish_due``: a frame at most every 50 ms, when a pipe has
-room); a busy server's small frames: ``--step 6`` at 240 journeys a second.
+room); a busy server's small frames: ``--step 12`` at 240 journeys a second.
 ``OFFERED_PER_S`` 0 (the default) offers as fast as the pipeline takes journeys
 without dropping any (the submit loop waits while more than 1,000 are queued):
 the figure is the capacity of the pipeline. A positive rate offers at that

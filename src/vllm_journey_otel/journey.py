@@ -303,8 +303,9 @@ def api_server_traceparent(headers: Mapping[str, str]) -> str | None:
     mark) can send it, and whoever sets it vouches for the ids. What the
     sampling decision reads is checked: version 00 and flags 00 or 01, as the
     API server writes them; anything else, or a tracestate beside them, takes
-    the full W3C parse. (The size bounds still apply to every journey's
-    headers, in ``RequestJourney``.)"""
+    the full W3C parse. (Headers of this form are within the size bounds
+    already, so the engine thread keeps them as they are; any other headers
+    are bounded at admission, ``request_journey.bounded_trace_headers``.)"""
     if len(headers) == 2 and headers.get(API_PARENT_KEY) == "1":
         tp = headers.get("traceparent")
         if (

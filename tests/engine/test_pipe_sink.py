@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
+from conftest import requires_vllm
 from otlp_receiver import Receiver
 from records import journeys
 from services import wait_until
@@ -777,6 +778,7 @@ def test_an_offer_declined_while_the_drain_thread_writes_wakes_it_again(pipes) -
     assert ids(read_all(pipes[0][0])) == ["req-0", "req-1"]
 
 
+@requires_vllm
 def test_the_engines_last_step_before_idling_hands_on_with_a_session_waiting(pipes) -> None:  # type: ignore[no-untyped-def]
     """vLLM's busy loop idles while a streaming-input session waits for its next
     input (the request stays in the scheduler's table): the journeys the last
@@ -808,6 +810,55 @@ def test_the_engines_last_step_before_idling_hands_on_with_a_session_waiting(pip
         assert not e.scheduler.has_unfinished_requests()  # vLLM's loop idles now
         assert pipeline.queued == 0 and pipeline.published == 2
         assert sorted(ids(read_all_now(r))) == ["a", "b"]
+    finally:
+        hooks.uninstall()
+
+
+@requires_vllm
+def test_the_engines_last_step_before_a_pause_hands_on(pipes) -> None:  # type: ignore[no-untyped-def]
+    """vLLM pauses all scheduling (PAUSED_ALL: a weight update) with requests
+    still running: its busy loop idles after the next step, which hands on the
+    journeys finished before it, though the next hand-off is not due (an hour
+    here) and the drain thread would not come for an hour either. A real
+    Scheduler."""
+    from vllm.v1.core.sched.interface import PauseState
+
+    from conftest import import_harness
+    from vllm_journey_otel.config import Config
+    from vllm_journey_otel.engine import hooks
+    from vllm_journey_otel.engine.pipeline import JourneyPipeline
+    from vllm_journey_otel.engine.state import _STATE, TRACKER_ATTR
+
+    harness = import_harness()
+    r, w = pipes[0]
+    assert hooks.install(Config(enabled=True))
+    pipeline = JourneyPipeline(PipeSink(w), maintain_s=3600.0)
+    with _STATE.lock:
+        _STATE.pipeline, _STATE.pipeline_pid = pipeline, os.getpid()
+    try:
+        e = harness.Engine()
+        assert e.scheduler.__dict__[TRACKER_ATTR].pause_field is not None
+        e.add("a", prompt_len=10, max_tokens=2)
+        e.add("long", prompt_len=10, max_tokens=200)
+        for _ in range(20):
+            if "a" not in e.scheduler.requests:
+                break
+            e.step()
+        assert "a" not in e.scheduler.requests and pipeline.queued + pipeline.published == 1
+        e.abort("long")  # between steps: handed on at once, as an abort is
+        pipeline.due_ns = time.monotonic_ns() + 3600 * 10**9  # no hand-off due
+        e.add("b", prompt_len=10, max_tokens=2)
+        e.add("c", prompt_len=10, max_tokens=200)
+        for _ in range(20):
+            if "b" not in e.scheduler.requests:
+                break
+            e.step()
+        assert "b" not in e.scheduler.requests and pipeline.queued == 1, "precondition"
+        e.scheduler.set_pause_state(PauseState.PAUSED_ALL)
+        e.step()
+        assert e.scheduler.running and not e.scheduler.has_unfinished_requests()
+        assert pipeline.queued == 0
+        assert sorted(ids(read_all_now(r))) == ["a", "b", "long"]
     finally:
         hooks.uninstall()
 

@@ -184,6 +184,60 @@ def test_unsampled_without_tail_records_nothing() -> None:
     assert exporter.get_finished_spans() == ()
 
 
+@requires_vllm
+@pytest.mark.parametrize("parent_based", [True, False])
+def test_admission_takes_the_api_servers_headers_as_they_are(monkeypatch, parent_based) -> None:  # type: ignore[no-untyped-def]
+    """On a real Scheduler: with parent-based sampling, the API server's headers
+    (its traceparent and mark) are decided by their flags without the sampler
+    and kept as they came (bounded already); a client's own headers go through
+    the sampler and are bounded (other keys dropped, a long tracestate cut).
+    Without parent-based sampling every request goes through the sampler."""
+    harness = import_harness()
+    from vllm_journey_otel.engine.request_journey import TRACESTATE_MAX
+
+    decided: list[object] = []
+    real = HeadSampler.decide
+    monkeypatch.setattr(HeadSampler, "decide", lambda s, h: decided.append(h) or real(s, h))
+    exporter = InMemorySpanExporter()
+    assert hooks.install(
+        Config(enabled=True, export_mode=MODE_THREAD),
+        exporters=[exporter],
+        batch=False,
+        head=HeadSampler(parent_based=parent_based, ratio=1.0 if not parent_based else 0.0),
+        tail=TailRule(False, False, False, None, in_flight=False),
+    )
+    mark = {API_PARENT_KEY: "1"}
+    long_state = ",".join(f"k{i}=v{i}" for i in range(400))
+    client = {**tp("01"), "tracestate": long_state, "cookie": "secret"}
+    try:
+        e = harness.Engine()
+        api_on = e.add("api-on", prompt_len=10, max_tokens=2, trace_headers={**tp("01"), **mark})
+        api_off = e.add("api-off", prompt_len=10, max_tokens=2, trace_headers={**tp("00"), **mark})
+        own = e.add("client", prompt_len=10, max_tokens=2, trace_headers=dict(client))
+        kept = {
+            rid: j.trace_headers
+            for rid, req in (("api-on", api_on), ("api-off", api_off), ("client", own))
+            if (j := getattr(req, state.JOURNEY_ATTR, None)) is not None
+        }
+        e.run()
+        assert handoff.flush(10)
+    finally:
+        hooks.uninstall()
+    if parent_based:
+        assert decided == [client], "only the client's own headers take the sampler"
+        assert set(kept) == {"api-on", "client"}, "api-off: its flags say not sampled"
+    else:
+        assert len(decided) == 3
+        assert set(kept) == {"api-on", "api-off", "client"}
+    assert kept["api-on"] == {**tp("01"), **mark}
+    assert set(kept["client"]) == {"traceparent", "tracestate"}
+    assert 0 < len(kept["client"]["tracestate"]) <= TRACESTATE_MAX
+    spans = exporter.get_finished_spans()
+    roots = {s.attributes[S.REQUEST_ID]: s for s in spans if s.name == S.SPAN_REQUEST}
+    assert set(roots) == set(kept)
+    assert roots["api-on"].parent is not None and roots["api-on"].parent.span_id == int(SPAN, 16)
+
+
 def _sdk_samples(ratio: float, trace_id: int) -> bool:
     """The SDK's own TraceIdRatioBased decision for a span of this trace."""
     from opentelemetry.sdk.trace.sampling import TraceIdRatioBased

@@ -501,6 +501,13 @@ def test_admission_records_the_schedulers_counters(tracing, async_scheduling: bo
     e.add("after abort", prompt_len=8, max_tokens=2)
     seen["after abort"] = counts()
     assert seen["after abort"][0] < seen["before abort"][0], "precondition: blocks freed"
+    # A pause resets the prefix cache and preempts every running request
+    # between steps (vLLM's reset_prefix_cache(reset_running_requests=True)).
+    assert s.running, "precondition: requests to preempt"
+    s.reset_prefix_cache(reset_running_requests=True)
+    e.add("after reset", prompt_len=8, max_tokens=2)
+    seen["after reset"] = counts()
+    assert seen["after reset"][0] < seen["after abort"][0], "precondition: blocks freed"
     e.compile_grammar("grammar")
     e.run()
     journeys = tracing.journeys()

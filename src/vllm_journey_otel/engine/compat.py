@@ -143,11 +143,15 @@ class Field:
 
 
 SKIPPED_REQUESTS: Final = "the waiting requests schedule() skipped"
+PAUSE_STATE: Final = "the scheduler's pause state (0: not paused)"
 FIELDS: Final[tuple[Field, ...]] = (
     # 0.31 and later: a set of the skipped requests, which stay in ``waiting``.
     Field(SKIPPED_REQUESTS, SCHEDULER, "deferred_waiting", SpecifierSet(">=0.31")),
     # 0.30: the skipped requests leave ``waiting`` for a queue of their own.
     Field(SKIPPED_REQUESTS, SCHEDULER, "skipped_waiting", SpecifierSet(">=0.30,<0.31")),
+    # Private in 0.30-0.33 (an IntEnum, UNPAUSED = 0; the public pause_state is
+    # a property): read once per step where a property call would cost a frame.
+    Field(PAUSE_STATE, SCHEDULER, "_pause_state", SpecifierSet(">=0.30")),
 )
 
 

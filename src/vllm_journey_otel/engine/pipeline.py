@@ -298,7 +298,7 @@ class JourneyPipeline:
         :meth:`publish_due` within three intervals: the engine thread calls it
         at the first step's end after ``due_ns``) and its last offer went through,
         with no partial frame left. Then whatever is queued is the engine's to
-        hand on within ``PUBLISH_INTERVAL_NS``, and the drain thread leaves it:
+        hand on at its next due step, and the drain thread leaves it:
         every drain takes the GIL from the engine thread, and would split the
         engine's frames. Otherwise (offers declined, bytes pending, an engine
         that stopped stepping or a sink that never takes offers) it drains.

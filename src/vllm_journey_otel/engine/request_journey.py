@@ -241,7 +241,9 @@ class RequestJourney:
             if ids is None:
                 bits = RNG.getrandbits  # not vLLM's seeded global random (rng.py)
                 ids = self.root_ids = RootIds(bits(64), bits(64) or 1, bits(64) or 1)
-            # The journey's own bounded copy, never changed after admission.
+            # The journey's bounded headers: the API server's own dict (shared
+            # with vLLM's request when its tracing keeps them) or a bounded copy;
+            # nothing writes to either after admission.
             target = self.link = LinkTarget(self.request_id, ids, self.trace_headers)
         return target
 
@@ -501,7 +503,7 @@ class RequestJourney:
             last_token_mono_ns if output_tokens > 0 else None,
             self.priority,
             self.lora_name,
-            self.trace_headers,  # our bounded copy (never changed)
+            self.trace_headers,  # bounded, never written after admission
             self.head_sampled,
             root_ids,
             self.session,

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from vllm_journey_otel import schema as S
-from vllm_journey_otel.engine.compat import SKIPPED_REQUESTS, field_name
+from vllm_journey_otel.engine.compat import PAUSE_STATE, SKIPPED_REQUESTS, field_name
 from vllm_journey_otel.engine.disaggregation import KvHandoff
 from vllm_journey_otel.engine.pipeline import JourneyPipeline
 from vllm_journey_otel.engine.queue_waits import QueueWaits
@@ -56,11 +56,13 @@ class SchedulerTracker(QueueWaits, StepView):
         "keep_headers",
         "kv",
         "kv_usage",
+        "kv_usage_running",
         "last_update_ids",
         "last_update_mono_ns",
         "max_loras",
         "num_sampled",
         "parent_based",
+        "pause_field",
         "pipeline",
         "scheduler",
         "skipped_field",
@@ -87,8 +89,11 @@ class SchedulerTracker(QueueWaits, StepView):
         # vLLM's KV cache usage, read at the first admission after the blocks may
         # have changed (schedule, update, a freed request) and kept for the
         # admissions after it: between steps vLLM adds requests in a burst, and
-        # adding one allocates no block. None: to be read.
+        # adding one allocates no block. None: to be read. Read again when the
+        # running count moved (a preemption between steps: vLLM's
+        # reset_prefix_cache at a pause, also where _preempt_request is not hooked).
         self.kv_usage: float | None = None
+        self.kv_usage_running = -1
         self.step = 0
         # request id -> (Request, RequestJourney) for requests whose current cycle
         # has no token yet (or that were preempted before their first token).
@@ -124,6 +129,8 @@ class SchedulerTracker(QueueWaits, StepView):
         self.kv = KvHandoff(scheduler, pipeline) if self.has_connector else None
         # Where this release keeps the requests schedule() skipped (compat.FIELDS).
         self.skipped_field = field_name(SKIPPED_REQUESTS, _STATE.vllm_version, scheduler)
+        # Where it keeps its pause state (None: unknown, assume it may be paused).
+        self.pause_field = field_name(PAUSE_STATE, _STATE.vllm_version, scheduler)
         # Step view: the fraction of steps recorded (0: off), and the recorded
         # steps whose output is not processed yet, by id() of their SchedulerOutput.
         cfg = _STATE.config
@@ -198,8 +205,9 @@ class SchedulerTracker(QueueWaits, StepView):
         s = self.scheduler
         running, waiting = s.get_request_counts()
         usage = self.kv_usage
-        if usage is None:
+        if usage is None or running != self.kv_usage_running:
             usage = self.kv_usage = float(s.get_kv_cache_usage())
+            self.kv_usage_running = running
         j.admitted_engine = (usage, running, waiting)
         setattr(request, JOURNEY_ATTR, j)
         reason = self.status_waits.get(request.status)
@@ -259,6 +267,7 @@ class SchedulerTracker(QueueWaits, StepView):
 
     # _preempt_request ------------------------------------------------------
     def before_preempt(self, request: Any) -> tuple[Any, ...] | None:
+        self.kv_usage = None  # its blocks are freed (in schedule(), or between steps)
         if getattr(request, JOURNEY_ATTR, None) is None:
             return None
         s = self.scheduler
@@ -372,12 +381,15 @@ class SchedulerTracker(QueueWaits, StepView):
                 self.pipeline.submit(StepRecord(step, t0, t1, _now(), *rest))
         # Finished journeys go on at most every PUBLISH_INTERVAL_NS, and at the
         # last step before idling: no later step would (idle as vLLM's busy loop
-        # sees it: no request left, sessions waiting for input). A batch with
-        # running requests is not idle, which is read first (vLLM's own count is
-        # three calls); a pause with requests still running (vLLM's
-        # PAUSED_ALL) leaves the queue to the drain thread, within a second.
+        # sees it: no request left, sessions waiting for input, a pause). An
+        # unpaused batch with running requests is not idle, which is read first
+        # (vLLM's own count is three calls).
         pl, s = self.pipeline, self.scheduler
-        if t >= pl.due_ns or (pl.queued and not s.running and not s.has_unfinished_requests()):
+        if t >= pl.due_ns or (
+            pl.queued
+            and (not s.running or self.pause_field is None or getattr(s, self.pause_field))
+            and not s.has_unfinished_requests()
+        ):
             pl.publish_due(t, force=True)
         awaiting = self.awaiting
         if not awaiting:
