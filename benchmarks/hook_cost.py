@@ -8,11 +8,14 @@ own cost is measured on an empty function and subtracted. The wrappers' dispatch
 no-op against the bare no-op.
 
     .venv/bin/python benchmarks/hook_cost.py [RUNNING] [STEPS] [step-view] [traceparent]
+        [interval=MS]
 
 ``step-view`` turns the engine step view on (every step recorded): its cost is
 in ``after_schedule`` (``_step_begin``, the walk over the batch) and
 ``after_update`` (the step record handed to the exporter). ``traceparent``: every
 request carries the trace headers the API-server spans give it (the default path).
+``interval=MS``: the engine thread's hand-off at most every MS ms instead of
+``pipeline.PUBLISH_INTERVAL_NS`` (what a frame's fixed cost is per journey).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ os.environ.setdefault("OTEL_TRACES_EXPORTER", "none")
 import scheduler_bench as sb
 
 from vllm_journey_otel.config import Config
-from vllm_journey_otel.engine import hooks, scheduler_wrappers, tracker
+from vllm_journey_otel.engine import hooks, pipeline, scheduler_wrappers, tracker
 
 METHODS = (
     "before_add",
@@ -105,6 +108,9 @@ def main() -> None:
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 600
     step_view = "step-view" in sys.argv[3:]
     traceparent = "traceparent" in sys.argv[3:]
+    for arg in sys.argv[3:]:
+        if arg.startswith("interval="):
+            pipeline.PUBLISH_INTERVAL_NS = int(float(arg.split("=", 1)[1]) * 1e6)
     hooks.install(Config(enabled=True, steps=step_view))
     for name in METHODS:
         setattr(
@@ -130,6 +136,7 @@ def main() -> None:
         "running": running,
         "step_view": step_view,
         "traceparent": traceparent,
+        "publish_interval_ms": pipeline.PUBLISH_INTERVAL_NS / 1e6,
         "steps": d.steps,
         "journeys_finished": d.finished,
         "preemptions": d.preemptions,

@@ -193,8 +193,8 @@ class JourneyPipeline:
         switch), so finished journeys leave the engine core within about 50 ms
         under load, and at once when the engine is about to idle: an abrupt
         kill of a busy engine core loses at most the last 50 ms. (A frame has
-        a fixed cost, cold, of about 50 us on the engine thread: every 25 ms
-        cost ~0.7 us more per journey than every 50 ms; docs/performance.md.) Whatever
+        a fixed cost, cold, of about 50 us on the engine thread, which more
+        journeys share at 50 ms than at 25; docs/performance.md.) Whatever
         is declined or left waits for the drain thread, which this wakes.
         ``force`` skips the interval (the engine is about to idle, the API
         server's timer fired: no later call would hand these on soon).
