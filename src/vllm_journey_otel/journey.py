@@ -305,7 +305,7 @@ def api_server_traceparent(headers: Mapping[str, str]) -> str | None:
     API server writes them; anything else, or a tracestate beside them, takes
     the full W3C parse. (Headers of this form are within the size bounds
     already, so the engine thread keeps them as they are; any other headers
-    are bounded at admission, ``request_journey.bounded_trace_headers``.)"""
+    are bounded at admission, ``trace_headers.bounded_trace_headers``.)"""
     if len(headers) == 2 and headers.get(API_PARENT_KEY) == "1":
         tp = headers.get("traceparent")
         if (

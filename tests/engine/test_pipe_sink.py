@@ -817,10 +817,10 @@ def test_the_engines_last_step_before_idling_hands_on_with_a_session_waiting(pip
 @requires_vllm
 def test_the_engines_last_step_before_a_pause_hands_on(pipes) -> None:  # type: ignore[no-untyped-def]
     """vLLM pauses all scheduling (PAUSED_ALL: a weight update) with requests
-    still running: its busy loop idles after the next step, which hands on the
-    journeys finished before it, though the next hand-off is not due (an hour
-    here) and the drain thread would not come for an hour either. A real
-    Scheduler."""
+    still running, right after a step that finished one (vLLM's loop steps once
+    more then, for its finished ids): that step hands on the journeys finished
+    before it, though the next hand-off is not due (an hour here) and the drain
+    thread would not come for an hour either. A real Scheduler."""
     from vllm.v1.core.sched.interface import PauseState
 
     from conftest import import_harness

@@ -193,7 +193,7 @@ def test_admission_takes_the_api_servers_headers_as_they_are(monkeypatch, parent
     the sampler and are bounded (other keys dropped, a long tracestate cut).
     Without parent-based sampling every request goes through the sampler."""
     harness = import_harness()
-    from vllm_journey_otel.engine.request_journey import TRACESTATE_MAX
+    from vllm_journey_otel.engine.trace_headers import TRACESTATE_MAX
 
     decided: list[object] = []
     real = HeadSampler.decide
@@ -211,7 +211,8 @@ def test_admission_takes_the_api_servers_headers_as_they_are(monkeypatch, parent
     client = {**tp("01"), "tracestate": long_state, "cookie": "secret"}
     try:
         e = harness.Engine()
-        api_on = e.add("api-on", prompt_len=10, max_tokens=2, trace_headers={**tp("01"), **mark})
+        api_headers = {**tp("01"), **mark}
+        api_on = e.add("api-on", prompt_len=10, max_tokens=2, trace_headers=api_headers)
         api_off = e.add("api-off", prompt_len=10, max_tokens=2, trace_headers={**tp("00"), **mark})
         own = e.add("client", prompt_len=10, max_tokens=2, trace_headers=dict(client))
         kept = {
@@ -229,6 +230,8 @@ def test_admission_takes_the_api_servers_headers_as_they_are(monkeypatch, parent
     else:
         assert len(decided) == 3
         assert set(kept) == {"api-on", "api-off", "client"}
+    if parent_based:
+        assert kept["api-on"] is api_headers, "bounded already: not copied"
     assert kept["api-on"] == {**tp("01"), **mark}
     assert set(kept["client"]) == {"traceparent", "tracestate"}
     assert 0 < len(kept["client"]["tracestate"]) <= TRACESTATE_MAX

@@ -491,8 +491,8 @@ def test_admission_records_the_schedulers_counters(tracing, async_scheduling: bo
     for _ in range(5):
         e.step()
     # Between two steps, admissions around an abort that frees KV blocks: each
-    # reads the usage of its own moment (the tracker keeps vLLM's figure for a
-    # burst of admissions, not across a freed request).
+    # records the usage of its own moment (the tracker keeps vLLM's figure for
+    # a burst of admissions, not across a freed request).
     e.add("victim", prompt_len=16, max_tokens=30)
     e.step()
     e.add("before abort", prompt_len=8, max_tokens=2)

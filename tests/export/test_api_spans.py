@@ -11,7 +11,7 @@ from opentelemetry.sdk.trace import SpanLimits
 from opentelemetry.trace import SpanKind, StatusCode
 
 from vllm_journey_otel import schema as S
-from vllm_journey_otel.engine.request_journey import bounded_trace_headers
+from vllm_journey_otel.engine.trace_headers import bounded_trace_headers
 from vllm_journey_otel.export.api_spans import plan_api
 from vllm_journey_otel.export.span_builder import SpanBuilder
 from vllm_journey_otel.journey import API_PARENT_KEY, ApiJourney, RootIds

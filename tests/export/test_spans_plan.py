@@ -252,7 +252,7 @@ def test_finish_carries_every_field_to_its_place() -> None:
 def test_trace_headers_are_bounded_and_malformed_ones_make_a_root() -> None:
     from opentelemetry import trace
 
-    from vllm_journey_otel.engine.request_journey import TRACESTATE_MAX, bounded_trace_headers
+    from vllm_journey_otel.engine.trace_headers import TRACESTATE_MAX, bounded_trace_headers
     from vllm_journey_otel.export.spans import parent_context
 
     good = "00-" + "a" * 32 + "-" + "b" * 16 + "-01"

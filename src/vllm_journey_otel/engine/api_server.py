@@ -37,9 +37,9 @@ from opentelemetry import trace as otel_trace
 
 from vllm_journey_otel.engine.handoff import _pipeline_for, pipeline
 from vllm_journey_otel.engine.pipeline import PUBLISH_INTERVAL_NS, JourneyPipeline
-from vllm_journey_otel.engine.request_journey import bounded_trace_headers
 from vllm_journey_otel.engine.sampling import client_trace
 from vllm_journey_otel.engine.state import _STATE, _fail
+from vllm_journey_otel.engine.trace_headers import bounded_trace_headers
 from vllm_journey_otel.journey import API_PARENT_KEY, ApiJourney, RootIds
 from vllm_journey_otel.log import logger
 from vllm_journey_otel.rng import RNG

@@ -152,8 +152,9 @@ class JourneyPipeline:
         self._last_publish_ns = 0
         # When the owner's next hand-off is due (engine monotonic clock): the
         # engine thread compares a step's stamp with it before it calls
-        # publish_due, one attribute read per step instead of a call.
-        self.due_ns = 0
+        # publish_due, one attribute read per step instead of a call. Never,
+        # with a sink that takes no offers (the drain thread does the work).
+        self.due_ns = 0 if sink.takes_offers else 1 << 62
         # Written by the owner in publish_due, read by the drain thread
         # (engine monotonic clock): the engine's last call, and whether its last
         # offer was declined.

@@ -19,14 +19,10 @@ from vllm_journey_otel.engine.compat import PAUSE_STATE, SKIPPED_REQUESTS, field
 from vllm_journey_otel.engine.disaggregation import KvHandoff
 from vllm_journey_otel.engine.pipeline import JourneyPipeline
 from vllm_journey_otel.engine.queue_waits import QueueWaits
-from vllm_journey_otel.engine.request_journey import (
-    PREEMPTED,
-    RUNNING,
-    RequestJourney,
-    bounded_trace_headers,
-)
+from vllm_journey_otel.engine.request_journey import PREEMPTED, RUNNING, RequestJourney
 from vllm_journey_otel.engine.state import _STATE, JOURNEY_ATTR
 from vllm_journey_otel.engine.step_view import StepView
+from vllm_journey_otel.engine.trace_headers import bounded_trace_headers
 from vllm_journey_otel.journey import (
     STATUS_ABORTED,
     STATUS_ERROR,
@@ -178,10 +174,10 @@ class SchedulerTracker(QueueWaits, StepView):
             sampled = tp[-1] == "1"
         else:
             sampled, root_ids = self.head.decide(headers)
-            if headers is not None:
-                headers = bounded_trace_headers(headers)
         if not sampled and not self.tail.active:
             return  # an unsampled request costs this decision and nothing else
+        if tp is None and headers is not None:
+            headers = bounded_trace_headers(headers)
         sp = request.sampling_params
         lora = request.lora_request
         j = RequestJourney(
@@ -383,7 +379,9 @@ class SchedulerTracker(QueueWaits, StepView):
         # last step before idling: no later step would (idle as vLLM's busy loop
         # sees it: no request left, sessions waiting for input, a pause). An
         # unpaused batch with running requests is not idle, which is read first
-        # (vLLM's own count is three calls).
+        # (vLLM's own count is three calls). A pause that vLLM's loop enters
+        # without stepping again (nothing finished in its last step) leaves
+        # the queue to the drain thread, within a second.
         pl, s = self.pipeline, self.scheduler
         if t >= pl.due_ns or (
             pl.queued
