@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from http import HTTPStatus
 
 import pytest
 from opentelemetry import trace
@@ -131,15 +132,16 @@ VALUES: dict[str, object] = {
     "two_bytes": 300, "float": 2.5, "float_zero": 0.0, "float_negative": -1e-300,
     "strs": ("a", "", "ü"), "ints": (1, -2, 1 << 40), "floats": (0.5, 1.0), "bools": (True, False),
     "empty_tuple": (), "bytes": b"\x00\xff", "none": None, "map": {"k": 1, "l": ("x",)},
-    "list": [1, "mixed"], "long": "x" * 5000,
+    "list": [1, "mixed"], "long": "x" * 5000, "int_enum": HTTPStatus.OK, "inf": float("inf"),
+    "k" * 200: 1.5, "float_again": 3.25,  # a double behind a key of 200 bytes; a second key
 }  # fmt: skip
 
 
 def test_every_value_type_and_field_encodes_as_the_sdk_encodes_it() -> None:
     remote = SpanContext(0xDEF, 0x456, True, TraceFlags(1), TraceState([("v", "1")]))
     local = SpanContext(0xDEF, 0x789, False, TraceFlags(0))
-    links = [trace.Link(remote, {"why": "cause", "n": 3}), trace.Link(local)]
-    events = [Event("e1", {"a": 1, "b": "x"}, 15), Event("e2", None, 16)]
+    links = [trace.Link(remote, {"why": "cause", "n": 3, "w": 0.5}), trace.Link(local)]
+    events = [Event("e1", {"a": 1, "b": "x", "float": 2.5}, 15), Event("e2", None, 16)]
     other = Resource({"service.name": "other", "n": 2}, "https://schema/1")
     spans = [
         _span("all values", VALUES, trace_state=TraceState([("vendor", "abc"), ("k", "v")])),
@@ -176,7 +178,14 @@ def test_every_value_type_and_field_encodes_as_the_sdk_encodes_it() -> None:
 
 
 def test_a_value_otlp_cannot_carry_is_left_out_as_the_sdk_leaves_it_out() -> None:
-    bad = {"ok": 1, "object": object(), "huge": 1 << 70, 5: "key not a string", "after": "x"}
+    bad = {
+        "ok": 1,
+        "object": object(),
+        "huge": 1 << 70,
+        5: "key not a string",
+        6: 1.5,
+        "after": "x",
+    }
     same_as_sdk([_span("bad", bad)])
 
 

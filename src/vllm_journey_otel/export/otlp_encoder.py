@@ -9,7 +9,8 @@ Why: the SDK's encoder (``encode_spans``, opentelemetry-exporter-otlp-proto-comm
 and per link, and was most of the exporter's CPU (docs/performance.md, "Export
 capacity"). This module writes the same message as bytes, field by field, with
 the encoded form of each attribute kept for the (key, value) pairs that repeat
-(names of models, phases, finish reasons, small counts). Its output parses to
+(names of models, phases, finish reasons, small counts) and, for a double
+(durations: mostly unique), the encoded head of its key. Its output parses to
 exactly the message ``encode_spans`` builds for the same spans
 (``tests/export/test_otlp_encoder.py`` compares them span for span, for every
 kind of span we emit and for values of each type), so what a backend receives
@@ -63,6 +64,7 @@ def _varint(n: int) -> bytes:
 
 
 _SMALL = [bytes((i,)) for i in range(0x80)]
+_NOTHING_DROPPED = (0, 0, 0)
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
@@ -114,6 +116,12 @@ def _cache_key(tag: int, key: str, value: Any) -> tuple[tuple[Any, ...], bool]:
     return (tag, key, value, type(value)), True
 
 
+# Values whose encoded attribute is kept under (tag, key, value, type) without
+# looking further: exactly these types (a subclass, such as an IntEnum, takes
+# the general path).
+_KEPT_SCALARS = frozenset((str, int, bool))
+
+
 def _key_value(key: str, value: Any) -> bytes:
     return _string(0x0A, key) + _field(0x12, _any_value(value))
 
@@ -123,40 +131,82 @@ class OtlpEncoder:
 
     def __init__(self) -> None:
         self._attributes: dict[tuple[Any, ...], bytes] = {}
+        self._float_heads: dict[tuple[int, str], bytes] = {}
         self._resources: dict[Resource, bytes] = {}
         self._scopes: dict[InstrumentationScope | None, bytes] = {}
-        self._names: dict[tuple[str, SpanKind], bytes] = {}  # name and kind, encoded
+        self._names: dict[tuple[str, int], bytes] = {}  # name and kind's value, encoded
         self._statuses: dict[tuple[Any, str | None], bytes] = {}
+        self._status_objects: dict[Status, bytes] = {}
         self._trace_id = -1
         self._trace_field = b""
 
     def _attrs(self, tag: int, attributes: Mapping[str, Any] | None) -> list[bytes]:
         """Each attribute as a whole field ``tag`` (its KeyValue), kept if it
         repeats. A value of a type OTLP has no case for is left out, as the
-        SDK's encoder leaves it out."""
+        SDK's encoder leaves it out.
+
+        The common cases first, without a call: a string, integer or bool kept
+        under its own key; a float (a duration: mostly unique, never kept)
+        written behind the encoded head of its (tag, key), which is kept."""
         if not attributes:
             return []
         cache = self._attributes
+        heads = self._float_heads
         out = []
         for key, value in attributes.items():
-            if not isinstance(key, str):  # the SDK's KeyValue refuses it: left out
+            kind = type(value)
+            if kind is float:
+                head = heads.get((tag, key))
+                if head is None:
+                    head = self._float_head(tag, key)
+                    if head is None:
+                        continue
+                out.append(head + _DOUBLE(value))
                 continue
-            hashed, keep = _cache_key(tag, key, value)
-            try:
-                encoded = cache.get(hashed) if keep else None
-            except TypeError:  # unhashable (a list): not kept
-                encoded, keep = None, False
-            if encoded is None:
-                try:
-                    encoded = _field(tag, _key_value(key, value))
-                except Exception:  # as the SDK's encoder: that attribute is left out
+            if kind in _KEPT_SCALARS:
+                encoded = cache.get((tag, key, value, kind))
+                if encoded is not None:
+                    out.append(encoded)
                     continue
-                if keep:
-                    if len(cache) >= _CACHE_LIMIT:
-                        cache.clear()
-                    cache[hashed] = encoded
-            out.append(encoded)
+            encoded = self._attr(tag, key, value)
+            if encoded is not None:
+                out.append(encoded)
         return out
+
+    def _float_head(self, tag: int, key: str) -> bytes | None:
+        """Field ``tag`` of a KeyValue whose value is a double, up to the
+        double's 8 bytes (its lengths are fixed); None for a key that is not a string."""
+        if not isinstance(key, str):  # the SDK's KeyValue refuses it: left out
+            return None
+        key_field = _string(0x0A, key)
+        # KeyValue.value (field 2, 9 bytes) holding AnyValue.double_value (field 4, fixed64).
+        body_len = len(key_field) + 11
+        head = bytes((tag,)) + _varint(body_len) + key_field + b"\x12\x09\x21"
+        if len(self._float_heads) >= _CACHE_LIMIT:
+            self._float_heads.clear()
+        self._float_heads[(tag, key)] = head
+        return head
+
+    def _attr(self, tag: int, key: str, value: Any) -> bytes | None:
+        """One attribute the fast cases did not take; kept if it may repeat."""
+        if not isinstance(key, str):  # the SDK's KeyValue refuses it: left out
+            return None
+        cache = self._attributes
+        hashed, keep = _cache_key(tag, key, value)
+        try:
+            encoded = cache.get(hashed) if keep else None
+        except TypeError:  # unhashable (a list): not kept
+            encoded, keep = None, False
+        if encoded is None:
+            try:
+                encoded = _field(tag, _key_value(key, value))
+            except Exception:  # as the SDK's encoder: that attribute is left out
+                return None
+            if keep:
+                if len(cache) >= _CACHE_LIMIT:
+                    cache.clear()
+                cache[hashed] = encoded
+        return encoded
 
     def _resource(self, resource: Resource) -> bytes:
         encoded = self._resources.get(resource)
@@ -228,44 +278,83 @@ class OtlpEncoder:
         events: Sequence[Any],
         links: Sequence[Any],
         status: Status,
-        dropped: tuple[int, int, int] = (0, 0, 0),
+        dropped: tuple[int, int, int] = _NOTHING_DROPPED,
     ) -> bytes:
         """ScopeSpans.spans (field 2): one Span; ``dropped``: its attributes,
         events and links dropped by the span limits."""
-        if ctx.trace_id != self._trace_id:  # a journey's spans share theirs
-            self._trace_id = ctx.trace_id
-            self._trace_field = b"\x0a\x10" + ctx.trace_id.to_bytes(16, "big")
-        parts = [self._trace_field, b"\x12\x08" + ctx.span_id.to_bytes(8, "big")]
-        if ctx.trace_state:
-            parts.append(_string(0x1A, _trace_state(ctx.trace_state)))
-        if parent:
-            parts.append(b"\x22\x08" + parent.span_id.to_bytes(8, "big"))
-        head = self._names.get((name, kind))
+        return self.span_of_ids(
+            ctx.trace_id, ctx.span_id, ctx.trace_state,
+            None if not parent else parent.span_id, parent is not None and parent.is_remote,
+            name, kind, start_time, end_time, attributes, events, links, status, dropped,
+        )  # fmt: skip
+
+    def span_of_ids(
+        self,
+        trace_id: int,
+        span_id: int,
+        trace_state: TraceState | None,
+        parent_span_id: int | None,
+        parent_is_remote: bool,
+        name: str,
+        kind: SpanKind,
+        start_time: int,
+        end_time: int,
+        attributes: Mapping[str, Any] | None,
+        events: Sequence[Any],
+        links: Sequence[Any],
+        status: Status,
+        dropped: tuple[int, int, int] = _NOTHING_DROPPED,
+    ) -> bytes:
+        """:meth:`span` of the ids themselves (the span builder's path, which
+        makes no SpanContext): ``parent_span_id`` None for a root."""
+        if trace_id != self._trace_id:  # a journey's spans share theirs
+            self._trace_id = trace_id
+            self._trace_field = b"\x0a\x10" + trace_id.to_bytes(16, "big")
+        parts = [self._trace_field, b"\x12\x08" + span_id.to_bytes(8, "big")]
+        if trace_state:
+            parts.append(_string(0x1A, _trace_state(trace_state)))
+        if parent_span_id is not None:
+            parts.append(b"\x22\x08" + parent_span_id.to_bytes(8, "big"))
+        # Keyed on the kind's plain value: an Enum member's hash is a Python call.
+        named = (name, kind._value_)
+        head = self._names.get(named)
         if head is None:
             head = _string(0x2A, name) + _KIND[kind]
             if len(self._names) < _CACHE_LIMIT:
-                self._names[(name, kind)] = head
+                self._names[named] = head
         parts.append(head)
         if start_time:
             parts.append(b"\x39" + _FIXED64(start_time))
         if end_time:
             parts.append(b"\x41" + _FIXED64(end_time))
         parts.extend(self._attrs(0x4A, attributes))
-        for tag, count in zip((b"\x50", b"\x60", b"\x70"), dropped, strict=True):
-            if count:  # fields 10, 12, 14 (a parser takes fields in any order)
-                parts.append(tag + _varint(count))
+        if dropped != _NOTHING_DROPPED:
+            for tag, count in zip((b"\x50", b"\x60", b"\x70"), dropped, strict=True):
+                if count:  # fields 10, 12, 14 (a parser takes fields in any order)
+                    parts.append(tag + _varint(count))
         for event in events:
             parts.append(_field(0x5A, self._event(event.name, event.timestamp, event)))
         for link in links:
             parts.append(_field(0x6A, self._link(link.context, link)))
-        encoded = self._statuses.get((status.status_code, status.description))
+        parts.append(self._status(status))
+        parts.append(_FLAGS_REMOTE if parent_is_remote else _FLAGS_LOCAL)
+        return _field(0x12, b"".join(parts))
+
+    def _status(self, status: Status) -> bytes:
+        """Span.status (field 15). Kept per Status object (the span builder's
+        are constants; a Status hashes by identity), else per code and description."""
+        encoded = self._status_objects.get(status)
+        if encoded is not None:
+            return encoded
+        keyed = (status.status_code, status.description)
+        encoded = self._statuses.get(keyed)
         if encoded is None:
             encoded = _field(0x7A, _status(status.status_code.value, status.description))
             if len(self._statuses) < _CACHE_LIMIT:
-                self._statuses[(status.status_code, status.description)] = encoded
-        parts.append(encoded)
-        parts.append(_FLAGS_REMOTE if parent is not None and parent.is_remote else _FLAGS_LOCAL)
-        return _field(0x12, b"".join(parts))
+                self._statuses[keyed] = encoded
+        if len(self._status_objects) < _CACHE_LIMIT:
+            self._status_objects[status] = encoded
+        return encoded
 
     def _event(self, name: str, timestamp: int, event: Any) -> bytes:
         parts = [b"\x09" + _FIXED64(timestamp) if timestamp else b"", _string(0x12, name)]

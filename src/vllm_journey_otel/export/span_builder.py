@@ -24,6 +24,7 @@ from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits
 from opentelemetry.sdk.util import BoundedList
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
+from opentelemetry.trace.span import TraceState
 from opentelemetry.util.types import AttributeValue
 
 from vllm_journey_otel import rng
@@ -50,9 +51,16 @@ def bounded(attrs: Mapping[str, AttributeValue], limit: int | None) -> dict[str,
     if limit is None:
         return dict(attrs)
     for value in attrs.values():
-        if isinstance(value, str | tuple) and _longer(value, limit):
-            return {k: _cut(v, limit) for k, v in attrs.items()}
+        if isinstance(value, str):  # the common cases without a call of ours
+            if len(value) <= limit:
+                continue
+        elif type(value) in _NUMBERS or not isinstance(value, tuple) or not _longer(value, limit):
+            continue
+        return {k: _cut(v, limit) for k, v in attrs.items()}
     return attrs if isinstance(attrs, dict) else dict(attrs)
+
+
+_NUMBERS = frozenset((int, float, bool))
 
 
 def _longer(value: str | tuple[object, ...], limit: int) -> bool:
@@ -103,13 +111,11 @@ class SpanBuilder:
             return BoundedList.from_seq(self.max_events, events)
         return events
 
-    def _resolve(
-        self,
-        plan: Sequence[PlannedSpan],
-        parent: SpanContext | None,
-        root_links: Sequence[trace.Link],
-    ) -> list[tuple[PlannedSpan, SpanContext, SpanContext | None, dict[str, AttributeValue]]]:
-        """Each planned span's context, its parent's, and its attributes cut to the limit."""
+    def _ids(
+        self, plan: Sequence[PlannedSpan], parent: SpanContext | None
+    ) -> tuple[int, TraceState | None, SpanContext | None, list[int]]:
+        """The plan's trace id and tracestate, its root's parent (None: a root
+        of its own trace) and each planned span's id."""
         root = plan[0]
         if parent is not None and parent.is_valid:
             trace_id, trace_state = parent.trace_id, parent.trace_state
@@ -117,16 +123,25 @@ class SpanBuilder:
             parent = None
             trace_id = trace_id_of(root.ids) if root.ids is not None else self._trace_id()
             trace_state = None
-        contexts: list[SpanContext] = []
-        out = []
+        new_id = self._span_id
+        first = root.ids.span_id if root.ids is not None else new_id()
+        span_ids = [first, *[new_id() for _ in range(len(plan) - 1)]]
+        return trace_id, trace_state, parent, span_ids
+
+    def _resolve(
+        self,
+        plan: Sequence[PlannedSpan],
+        parent: SpanContext | None,
+    ) -> list[tuple[PlannedSpan, SpanContext, SpanContext | None, dict[str, AttributeValue]]]:
+        """Each planned span's context, its parent's, and its attributes cut to the limit."""
+        trace_id, trace_state, parent, span_ids = self._ids(plan, parent)
+        contexts = [SpanContext(trace_id, i, False, SAMPLED, trace_state) for i in span_ids]
         limit = self.max_span_attribute_length
-        for i, p in enumerate(plan):
-            span_id = root.ids.span_id if i == 0 and root.ids is not None else self._span_id()
-            context = SpanContext(trace_id, span_id, False, SAMPLED, trace_state)
-            contexts.append(context)
-            parent_context = parent if p.parent is None else contexts[p.parent]
-            out.append((p, context, parent_context, bounded(p.attributes, limit)))
-        return out
+        return [
+            (p, contexts[i], parent if p.parent is None else contexts[p.parent],
+             bounded(p.attributes, limit))
+            for i, p in enumerate(plan)
+        ]  # fmt: skip
 
     def build(
         self,
@@ -137,9 +152,7 @@ class SpanBuilder:
         """The spans of one plan (element 0 its root) under ``parent``, the
         client's remote context (None: the root starts a trace of its own)."""
         spans = []
-        for i, (p, context, parent_context, attributes) in enumerate(
-            self._resolve(plan, parent, root_links)
-        ):
+        for i, (p, context, parent_context, attributes) in enumerate(self._resolve(plan, parent)):
             links = [*root_links, *p.links] if i == 0 else p.links
             spans.append(
                 ReadableSpan(
@@ -166,23 +179,31 @@ class SpanBuilder:
         parent: SpanContext | None,
         root_links: Sequence[trace.Link] = (),
     ) -> list[bytes]:
-        """What :meth:`build` builds, as OTLP Span fields (``otlp_encoder.OtlpEncoder.span``)
+        """What :meth:`build` builds, as OTLP Span fields (``otlp_encoder.OtlpEncoder.span_of_ids``)
         without the SDK's span objects: for exporters that take them
         (``otlp_exporters.py``); ``encoder.wrap`` makes the request."""
+        trace_id, trace_state, parent, span_ids = self._ids(plan, parent)
+        root_parent = None if parent is None else parent.span_id
+        remote = parent is not None and parent.is_remote
+        limit = self.max_span_attribute_length
         out = []
-        for i, (p, context, parent_context, attributes) in enumerate(
-            self._resolve(plan, parent, root_links)
-        ):
+        for i, p in enumerate(plan):
             links = [*root_links, *p.links] if i == 0 else p.links
             kept_links = self._links(links) if links else ()
             events = self._events(p) if p.events else ()
-            dropped = (0, getattr(events, "dropped", 0), getattr(kept_links, "dropped", 0))
-            status = ERROR_STATUS if p.error else UNSET_STATUS
-            span = encoder.span(
-                context, parent_context, p.name, p.kind, p.start_unix_ns, p.end_unix_ns,
-                attributes, events, kept_links, status, dropped,
+            if p.parent is None:
+                parent_id, parent_remote = root_parent, remote
+            else:
+                parent_id, parent_remote = span_ids[p.parent], False
+            out.append(
+                encoder.span_of_ids(
+                    trace_id, span_ids[i], trace_state, parent_id, parent_remote,
+                    p.name, p.kind, p.start_unix_ns, p.end_unix_ns,
+                    bounded(p.attributes, limit), events, kept_links,
+                    ERROR_STATUS if p.error else UNSET_STATUS,
+                    (0, getattr(events, "dropped", 0), getattr(kept_links, "dropped", 0)),
+                )
             )  # fmt: skip
-            out.append(span)
         return out
 
     def build_step(self, planned: PlannedSpan) -> ReadableSpan:
