@@ -11,21 +11,27 @@ each calling our hooks as vLLM's AsyncLLM and OutputProcessor wrappers do
 * on: our middleware, records handed to this process's pipeline, which the
   event loop writes to a real exporter process itself (OTEL_TRACES_EXPORTER=none).
 
-Blocks of REQUESTS requests per app, rotating, ROUNDS times. Printed: CPU
+Blocks of REQUESTS requests per app, CONCURRENCY at a time (all started, then
+all awaited: their objects are alive together, as under a busy server),
+rotating, ROUNDS times. Printed: CPU
 microseconds per request of the event-loop thread (``time.thread_time``) and of
 the whole process (the drain thread included: it shares the GIL), median over
-the blocks, and the differences on - off and off-2 - off (the resolution).
+the blocks, and the differences on - off and off-2 - off (the resolution); and
+the garbage collector's generation-0 collections per 1,000 requests (what an
+app allocates is also what makes the collector run: under `vllm serve` a
+collection lands on whichever allocation crosses its threshold).
 Compare them with the API server's own CPU per request under `vllm serve`
 (``benchmarks/serve_short.py``: about 2 ms per 8-token request on this machine)
 for the share. What this cannot show is what a thread of ours costs the loop
 when it takes the GIL on a saturated CPU: ``benchmarks/gil_wake_cost.py``.
 
-    .venv/bin/python benchmarks/api_loop_cost.py [ROUNDS] [REQUESTS] [CHUNKS]
+    .venv/bin/python benchmarks/api_loop_cost.py [ROUNDS] [REQUESTS] [CHUNKS] [CONCURRENCY]
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import statistics
@@ -111,13 +117,17 @@ async def call(app: Any, path: str) -> None:
     await app(scope, receive, send)
 
 
-async def block(app: Any, requests: int) -> tuple[float, float]:
+async def block(app: Any, requests: int, concurrency: int) -> tuple[float, float, float]:
     t0, p0 = time.thread_time(), time.process_time()
-    for i in range(requests):
-        await call(app, "/v1/chat/completions" if i % 2 else "/v1/completions")
+    g0 = gc.get_stats()[0]["collections"]
+    paths = ("/v1/completions", "/v1/chat/completions")
+    for first in range(0, requests, concurrency):  # CONCURRENCY requests in flight at once
+        n = min(concurrency, requests - first)
+        await asyncio.gather(*(call(app, paths[(first + i) % 2]) for i in range(n)))
     return (
         (time.thread_time() - t0) / requests * 1e6,
         (time.process_time() - p0) / requests * 1e6,
+        (gc.get_stats()[0]["collections"] - g0) / requests * 1000,
     )
 
 
@@ -125,6 +135,7 @@ def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 12
     requests = int(sys.argv[2]) if len(sys.argv) > 2 else 2000
     chunks = int(sys.argv[3]) if len(sys.argv) > 3 else 16
+    concurrency = int(sys.argv[4]) if len(sys.argv) > 4 else 48
     from vllm_journey_otel.config import Config
     from vllm_journey_otel.engine import hooks
     from vllm_journey_otel.engine.handoff import _pipeline_for
@@ -141,16 +152,18 @@ def main() -> None:
             "on": make_app(True, chunks)}  # fmt: skip
     loop_us: dict[str, list[float]] = {k: [] for k in apps}
     proc_us: dict[str, list[float]] = {k: [] for k in apps}
+    gen0: dict[str, list[float]] = {k: [] for k in apps}
 
     async def run() -> None:
         for app in apps.values():
-            await block(app, requests // 4)  # warm-up
+            await block(app, requests // 4, concurrency)  # warm-up
         for r in range(rounds):
             names = list(apps)
             for name in names[r % 3 :] + names[: r % 3]:
-                a, b = await block(apps[name], requests)
+                a, b, c = await block(apps[name], requests, concurrency)
                 loop_us[name].append(a)
                 proc_us[name].append(b)
+                gen0[name].append(c)
 
     asyncio.run(run())
     pipeline.flush(10)
@@ -158,12 +171,16 @@ def main() -> None:
     pmed = {k: round(statistics.median(v), 2) for k, v in proc_us.items()}
     print(json.dumps({
         "rounds": rounds, "requests_per_block": requests, "stream_chunks": chunks,
+        "concurrency": concurrency,
         "loop_thread_cpu_us_per_request": med,
         "process_cpu_us_per_request": pmed,
         "loop_on_minus_off_us": round(med["on"] - med["off"], 2),
         "loop_off2_minus_off_us (A/A)": round(med["off-2"] - med["off"], 2),
         "process_on_minus_off_us": round(pmed["on"] - pmed["off"], 2),
         "process_off2_minus_off_us (A/A)": round(pmed["off-2"] - pmed["off"], 2),
+        "gc_gen0_collections_per_1000_requests": {
+            k: round(statistics.median(v), 1) for k, v in gen0.items()
+        },
         "records_handed_on": pipeline.published + pipeline.exported,
         "records_lost": pipeline.losses.by_reason(),
     }, indent=2))  # fmt: skip

@@ -9,6 +9,8 @@ import asyncio
 import contextlib
 import io
 import os
+import select
+import signal
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -105,3 +107,106 @@ def test_the_first_token_is_vllms_stamp_the_earliest_of_the_engine_requests() ->
     assert api_server.first_token_unix_ns([none_yet]) is None
     got = api_server.first_token_unix_ns([none_yet, late, early])
     assert got == pytest.approx(1_700_000_000_625_000_000, abs=1_000)
+
+
+def test_a_client_gone_mid_stream_under_an_asgi_2_4_server_is_a_disconnect(served) -> None:  # type: ignore[no-untyped-def]
+    """An ASGI 2.4 server's ``send`` raises OSError once the client is gone
+    (uvicorn, ASGI 2.3, says so through ``receive`` instead): the request is
+    disconnected mid-response, not an error; an app that fails mid-stream is."""
+    from fastapi.responses import StreamingResponse
+    from starlette.requests import ClientDisconnect
+
+    app, pipeline, r = served
+    ids = iter(range(10))
+
+    @app.get("/stream")
+    async def stream(fail: int = -1) -> Any:
+        async def chunks() -> Any:
+            for i in range(5):
+                if i == fail:
+                    raise RuntimeError("the app's own failure")
+                yield f"data: {i}\n\n"
+
+        api = api_server.current()
+        assert api is not None
+        api.on_engine_request(SimpleNamespace(request_id=f"s{next(ids)}", arrival_time=1.0))
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    async def call(query: bytes, raise_at_body: int) -> BaseException | None:
+        scope = {
+            "type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"},
+            "http_version": "1.1", "method": "GET", "scheme": "http", "path": "/stream",
+            "raw_path": b"/stream", "query_string": query, "root_path": "",
+            "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 5000), "headers": [],
+        }  # fmt: skip
+        bodies = 0
+
+        async def receive() -> dict[str, Any]:
+            await asyncio.sleep(3600)  # the client never says it left
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            nonlocal bodies
+            if message["type"] == "http.response.body":
+                bodies += 1
+                if bodies == raise_at_body:
+                    raise OSError("the client is gone")
+
+        try:
+            await app(scope, receive, send)
+        except BaseException as exc:  # what the app raised is the subject
+            return exc
+        return None
+
+    async def run() -> list[BaseException | None]:
+        return [
+            await call(b"", 3),  # the server's send raises at the third chunk
+            await call(b"", 0),  # the whole stream is sent
+            await call(b"fail=2", 0),  # the app raises after two chunks
+        ]
+
+    gone, whole, failed = asyncio.run(run())
+    assert isinstance(gone, ClientDisconnect) and whole is None
+    assert isinstance(failed, RuntimeError)
+    pipeline.publish_due(time.monotonic_ns(), force=True)
+    got = {j.request_ids[0]: j for j in _records(r)}
+    assert sorted(got) == ["s0", "s1", "s2"]
+    # Gone: the three chunks handed to the server, the last of which it refused.
+    assert (got["s0"].disconnected, got["s0"].exception, got["s0"].responded) == (True, None, False)
+    assert got["s0"].chunks == 3 and got["s0"].stream
+    assert (got["s1"].disconnected, got["s1"].exception, got["s1"].responded) == (False, None, True)
+    assert got["s1"].chunks == 5 and got["s1"].first_body_mono_ns is None  # no hand-off stamped
+    assert (got["s2"].disconnected, got["s2"].exception) == (False, "RuntimeError")
+    assert got["s2"].chunks == 2 and not got["s2"].responded
+
+
+def test_a_forked_child_has_no_pipeline_of_its_parent(served) -> None:  # type: ignore[no-untyped-def]
+    """``pipeline()`` knows this process's pid without a system call; a forked
+    child (vLLM's engine cores, where started by fork) must not take its
+    parent's pipeline, whose threads and pipe are the parent's."""
+    from vllm_journey_otel.engine.handoff import pipeline as current_pipeline
+
+    _, pipeline, _ = served
+    assert current_pipeline() is pipeline
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report and leave at once, whatever happens
+        code = 1
+        try:
+            os.close(r)
+            os.write(w, b"none" if current_pipeline() is None else b"parent's")
+            code = 0
+        finally:
+            os._exit(code)  # never the rest of pytest, nor the parent's atexit
+    os.close(w)
+    ready: list[int] = []
+    try:
+        ready, _, _ = select.select([r], [], [], 30)
+        assert ready, "the forked child said nothing within 30 s"
+        assert os.read(r, 64) == b"none"
+    finally:
+        os.close(r)
+        if not ready:  # stuck (in another library's at-fork handler?): not our wait
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert current_pipeline() is pipeline

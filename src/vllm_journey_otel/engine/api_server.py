@@ -100,6 +100,8 @@ class ApiRequest:
     """One traced HTTP request, filled in as it goes (event-loop thread only)."""
 
     __slots__ = (
+        "_receive",
+        "_send",
         "arrival_time_s",
         "chunks",
         "disconnected",
@@ -123,8 +125,10 @@ class ApiRequest:
         "stream",
     )
 
-    def __init__(self, scope: Scope, receipt_ns: int) -> None:
+    def __init__(self, scope: Scope, receipt_ns: int, receive: Receive, send: Send) -> None:
         self.receipt_ns = receipt_ns
+        self._receive = receive
+        self._send = send
         self.method = str(scope.get("method", ""))
         self.path = str(scope.get("path", ""))
         self.parent_headers, self.server_kind = _parent(scope)
@@ -190,19 +194,35 @@ class ApiRequest:
             self.handoff_ns = time.monotonic_ns()
 
     # -- ASGI messages ------------------------------------------------------------
-    def on_start(self, message: Message) -> None:
-        self.status_code = int(message.get("status", 0))
-        for name, value in message.get("headers", ()):
-            if name.lower() == b"content-type":
-                self.stream = value.startswith(_EVENT_STREAM)
+    def send(self, message: Message) -> Awaitable[None]:
+        """The app's ``send``: notes the message and returns the server's own
+        awaitable, so a message costs no coroutine of ours (a stream sends one
+        per token). A server that raises on a client gone (ASGI 2.4) raises
+        through here: the middleware tells it apart (``_client_gone``)."""
+        kind = message.get("type")
+        if kind == "http.response.body":
+            # One clock read for both: a one-body response's first byte is its last.
+            now_ns = 0
+            if message.get("body"):
+                self.chunks += 1
+                if self.first_body_ns is None and self.handoff_ns is not None:
+                    self.first_body_ns = now_ns = time.monotonic_ns()
+            if not message.get("more_body", False):
+                self.end_ns = now_ns or time.monotonic_ns()
+        elif kind == "http.response.start":
+            self.status_code = int(message.get("status", 0))
+            for name, value in message.get("headers", ()):
+                if name.lower() == b"content-type":
+                    self.stream = value.startswith(_EVENT_STREAM)
+        return self._send(message)
 
-    def on_body(self, message: Message, now_ns: int) -> None:
-        if message.get("body"):
-            self.chunks += 1
-            if self.first_body_ns is None and self.handoff_ns is not None:
-                self.first_body_ns = now_ns
-        if not message.get("more_body", False):
-            self.end_ns = now_ns
+    async def receive(self) -> Message:
+        """The app's ``receive``: a disconnect before the response's end marks
+        the request (uvicorn, ASGI 2.3, tells the app so)."""
+        message = await self._receive()
+        if message.get("type") == "http.disconnect" and self.end_ns is None:
+            self.disconnected = True
+        return message
 
     def record(self, now_ns: int) -> ApiJourney:
         return ApiJourney(
@@ -308,8 +328,9 @@ def _publish_now() -> None:
 class JourneyMiddleware:
     """Pure ASGI middleware, outermost of vLLM's (``frontend.py`` inserts it).
 
-    Its own cost per request: two clock reads, the record, a wrapper around
-    ``send`` (one clock read per message) and ``receive``. On ``lifespan.shutdown``
+    Its own cost per request: a few clock reads, the record, and the request's
+    own ``send`` (no coroutine per message; a clock read at the first body and
+    the last) and ``receive`` in place of the server's. On ``lifespan.shutdown``
     it flushes this process's pipeline (the API server's exit does not run
     atexit where it is a multiprocessing child); ``lifespan.startup`` starts it.
     """
@@ -324,35 +345,16 @@ class JourneyMiddleware:
         if kind != "http" or not (_STATE.enabled and _STATE.config.api_spans):
             return await self.app(scope, receive, send)
         try:
-            req = ApiRequest(scope, time.monotonic_ns())
+            req = ApiRequest(scope, time.monotonic_ns(), receive, send)
         except Exception:
             _fail("API-server middleware")
             return await self.app(scope, receive, send)
-
-        async def send_(message: Message) -> None:
-            now_ns = time.monotonic_ns()
-            kind = message.get("type")
-            if kind == "http.response.body":
-                req.on_body(message, now_ns)
-            elif kind == "http.response.start":
-                req.on_start(message)
-            try:
-                await send(message)
-            except OSError:  # ASGI 2.4 servers: the client went away (ClientDisconnect)
-                if req.end_ns is None or message.get("more_body", False):
-                    req.disconnected = True
-                raise
-
-        async def receive_() -> Message:
-            message = await receive()
-            if message.get("type") == "http.disconnect" and req.end_ns is None:
-                req.disconnected = True
-            return message
-
         token = _CURRENT.set(req)
         try:
-            await self.app(scope, receive_, send_)
+            await self.app(scope, req.receive, req.send)
         except BaseException as exc:
+            if req.end_ns is None and _client_gone(exc):
+                req.disconnected = True  # mid-response: the server's send raised
             if not req.disconnected:  # else the app's way of stopping for it
                 req.exception = type(exc).__name__
             raise
@@ -362,6 +364,18 @@ class JourneyMiddleware:
                 _finish(req)
             except Exception:
                 _fail("API-server middleware")
+
+
+def _client_gone(exc: BaseException) -> bool:
+    """The server's ``send`` raised for a client gone: ``OSError`` (ASGI 2.4
+    servers), which Starlette's responses re-raise as ``ClientDisconnect``."""
+    if isinstance(exc, OSError):
+        return True
+    try:
+        from starlette.requests import ClientDisconnect
+    except ImportError:  # no Starlette: only the server's own OSError says so
+        return False
+    return isinstance(exc, ClientDisconnect)
 
 
 def _lifespan(scope: Scope, receive: Receive) -> Receive:

@@ -128,6 +128,23 @@ def flush(timeout_s: float | None = None) -> bool:
     return pipeline.flush(t)
 
 
+# This process's pid, kept current in a forked child: ``os.getpid`` is a system
+# call (and a point where the kernel may preempt the caller), and ``pipeline``
+# runs twice per request on the API server's event loop. vLLM's processes are
+# started by multiprocessing (fork runs the at-fork handlers; spawn and
+# forkserver import this module afresh); a C library's fork() that skips them
+# and runs Python on without exec would keep its parent's pid here.
+_PID = [os.getpid()]
+
+
+def _forked() -> None:
+    _PID[0] = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def pipeline() -> JourneyPipeline | None:
-    """This process's export pipeline, if a Scheduler or the API server created one."""
-    return _STATE.pipeline if _STATE.pipeline_pid == os.getpid() else None
+    """This process's export pipeline, if a Scheduler or the API server created
+    one (a forked child's inherited one is its parent's: None there)."""
+    return _STATE.pipeline if _STATE.pipeline_pid == _PID[0] else None
