@@ -41,12 +41,22 @@ def placement_roots() -> list[int]:
     return roots
 
 
-# Starts the exporter in a new session, passing it the fds listed in argv[2]
-# (comma-separated), and writes its pid to the fd in argv[1].
+# Starts the exporter in a process group of its own, passing it the fds listed
+# in argv[2] (comma-separated), and writes its pid to the fd in argv[1].
+#
+# A group of its own, in vLLM's session, not a session of its own: a terminal's
+# Ctrl-C (sent to the foreground group) stays off it, while it stays in vLLM's
+# scheduler autogroup. Where the kernel groups tasks by session
+# (/proc/sys/kernel/sched_autogroup_enabled, on by default in many distributions'
+# kernels, for tasks outside a CPU cgroup), a new session is a new group that
+# competes with vLLM's whole session as an equal: SCHED_IDLE then ranks the
+# exporter only among its own threads, and on a busy CPU it takes a share of
+# vLLM's time (docs/performance.md, "Free by default"). (preexec_fn, not
+# process_group=0: Python 3.10 has no such argument; the launcher has one thread.)
 _LAUNCHER = (
     "import os, subprocess, sys\n"
     "keep = [int(f) for f in sys.argv[2].split(',') if f]\n"
-    "p = subprocess.Popen(sys.argv[3:], stdin=sys.stdin, start_new_session=True,"
+    "p = subprocess.Popen(sys.argv[3:], stdin=sys.stdin, preexec_fn=os.setpgrp,"
     " close_fds=True, pass_fds=keep)\n"
     "os.write(int(sys.argv[1]), str(p.pid).encode())\n"
 )
