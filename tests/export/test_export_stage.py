@@ -1,6 +1,7 @@
 """The export stage (export_stage.py): batches, backpressure instead of drops,
 deadlines, counts from the exporters' results. The SDK's own OTLP gRPC exporter
-against a real receiver, made slow, down or black-holed by a real TCP proxy."""
+and ours (the SDK's, sending our encoder's bytes) against a real receiver, made
+slow, down or black-holed by a real TCP proxy."""
 
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ from otlp_receiver import Receiver
 from records import journeys
 from services import wait_until
 from vllm_journey_otel import config as C
+from vllm_journey_otel.export import otlp_exporters
 from vllm_journey_otel.export.export_stage import ExportStage
 from vllm_journey_otel.export.health import ExportHealth
+from vllm_journey_otel.export.otlp_exporters import GrpcSpanExporter, _BytesTraceStub
 from vllm_journey_otel.export.span_builder import SpanBuilder
 from vllm_journey_otel.export.spans import plan_spans, root_context
 
@@ -56,12 +59,17 @@ def proxy(receiver: Receiver) -> Iterator[FaultProxy]:
     p.close()
 
 
-def otlp(port: int, monkeypatch: pytest.MonkeyPatch, timeout_s: int = 10) -> OTLPSpanExporter:
+def otlp(
+    port: int,
+    monkeypatch: pytest.MonkeyPatch,
+    timeout_s: int = 10,
+    cls: type[OTLPSpanExporter] = OTLPSpanExporter,
+) -> OTLPSpanExporter:
     for key in list(os.environ):
         if key.startswith("OTEL_"):
             monkeypatch.delenv(key)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", str(timeout_s))
-    return OTLPSpanExporter(endpoint=f"http://127.0.0.1:{port}", insecure=True)
+    return cls(endpoint=f"http://127.0.0.1:{port}", insecure=True)
 
 
 def test_batches_leave_full_or_after_their_delay() -> None:
@@ -125,13 +133,28 @@ def test_flush_and_shutdown_keep_their_deadline_when_the_backend_hangs(
     assert time.monotonic() - t0 < 3.0, "each kept its deadline although export hangs"
 
 
+@pytest.mark.parametrize(
+    ("cls", "stub_found"),
+    [(OTLPSpanExporter, False), (GrpcSpanExporter, True), (GrpcSpanExporter, False)],
+    ids=["sdk", "ours", "ours-parsing"],
+)
 def test_results_are_counted_and_an_outage_reported_once(
-    proxy: FaultProxy, receiver: Receiver, monkeypatch: pytest.MonkeyPatch, caplog
-) -> None:  # type: ignore[no-untyped-def]
+    proxy: FaultProxy,
+    receiver: Receiver,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog,  # type: ignore[no-untyped-def]
+    cls: type[OTLPSpanExporter],
+    stub_found: bool,
+) -> None:
+    """Ours also where the SDK keeps its stub elsewhere (an SDK other than 1.45):
+    then our bytes are parsed into the SDK's message and sent by its stub."""
+    if not stub_found:
+        monkeypatch.setattr(otlp_exporters, "_GRPC_STUB_PARTS", ("_no_such_part",))
     caplog.set_level(logging.WARNING, logger="vllm.journey_otel")
     proxy.set_mode(DOWN)
     health = ExportHealth()
-    exporter = otlp(proxy.port, monkeypatch, timeout_s=1)
+    exporter = otlp(proxy.port, monkeypatch, timeout_s=1, cls=cls)
+    client = exporter._client
     stage = ExportStage([exporter], health, 10, 0.0, endpoint="the proxy")
     try:
         stage.add(spans(4))  # 20 spans: two batches, each refused until the timeout
@@ -151,6 +174,10 @@ def test_results_are_counted_and_an_outage_reported_once(
     finally:
         stage.shutdown(5)
     assert len(receiver.spans()) == 10
+    # UNAVAILABLE made the SDK re-create its channel and client (1.45); ours
+    # still sends our bytes as they are through the re-created one.
+    assert exporter._client is not client
+    assert isinstance(exporter._client, _BytesTraceStub) == (cls is GrpcSpanExporter and stub_found)
     text = caplog.text
     assert text.count("exporting spans to the proxy fails") == 1, text
     assert text.count("export to the proxy works again") == 1, text
