@@ -29,6 +29,7 @@ from opentelemetry.trace.span import TraceState
 from test_api_spans import record
 from test_span_builder import _journeys
 
+from vllm_journey_otel import schema as S
 from vllm_journey_otel.engine.request_journey import RequestJourney
 from vllm_journey_otel.export import otlp_encoder
 from vllm_journey_otel.export.api_spans import plan_api
@@ -96,14 +97,18 @@ def test_every_span_we_emit_encodes_as_the_sdk_encodes_it() -> None:
     same_as_sdk(list(reversed(spans)), encoder)
 
 
-@pytest.mark.parametrize("link_limit", [None, "1"])
+@pytest.mark.parametrize(("link_limit", "length_limit"), [(None, None), ("1", None), (None, "5")])
 def test_spans_encoded_from_their_plans_are_the_spans_the_builder_builds(
-    link_limit: str | None, monkeypatch: pytest.MonkeyPatch
+    link_limit: str | None, length_limit: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The exporter's path without the SDK's span objects (SpanBuilder.encode,
-    OtlpEncoder.wrap) sends what building ReadableSpans and encoding them sends."""
+    OtlpEncoder.wrap) sends what building ReadableSpans and encoding them sends;
+    with a length limit, the encoder cuts strings (a tuple's too: the finish
+    reasons) as the builder's BoundedAttributes rule does."""
     if link_limit is not None:  # the step span's links cut, counted as dropped
         monkeypatch.setenv("OTEL_SPAN_LINK_COUNT_LIMIT", link_limit)
+    if length_limit is not None:  # request ids, finish reasons ("length",), model names
+        monkeypatch.setenv("OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", length_limit)
     built, encoded, encoder = _builder(), _builder(), OtlpEncoder()
     spans, fields = [], []
     for plan, parent, links in _plans():
@@ -113,6 +118,12 @@ def test_spans_encoded_from_their_plans_are_the_spans_the_builder_builds(
     wrapped = encoder.wrap(encoded.resource, encoded.scope, fields)
     assert ExportTraceServiceRequest.FromString(wrapped) == encode_spans(spans)
     assert any(s.dropped_links for s in spans) is (link_limit is not None)
+    longest = max(len(v) for s in spans for v in s.attributes.values() if isinstance(v, str))
+    assert (longest <= 5) is (length_limit is not None)
+    key = S.GEN_AI_FINISH_REASONS
+    reasons = [s.attributes[key] for s in spans if key in s.attributes]
+    assert reasons
+    assert all(len(r[0]) <= 5 for r in reasons) is (length_limit is not None)
 
 
 def _span(name: str, attributes: dict[str, object], **kw: object) -> ReadableSpan:

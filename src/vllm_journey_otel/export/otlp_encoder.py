@@ -122,6 +122,16 @@ def _cache_key(tag: int, key: str, value: Any) -> tuple[tuple[Any, ...], bool]:
 _KEPT_SCALARS = frozenset((str, int, bool))
 
 
+def cut(value: Any, limit: int) -> Any:
+    """``value`` with its string, or a tuple's strings, cut at ``limit``
+    characters (the SDK's BoundedAttributes rule); any other value as it is."""
+    if isinstance(value, str):
+        return value[:limit]
+    if isinstance(value, tuple) and value and isinstance(value[0], str):
+        return tuple(v[:limit] if isinstance(v, str) else v for v in value)
+    return value
+
+
 def _key_value(key: str, value: Any) -> bytes:
     return _string(0x0A, key) + _field(0x12, _any_value(value))
 
@@ -140,19 +150,28 @@ class OtlpEncoder:
         self._trace_id = -1
         self._trace_field = b""
 
-    def _attrs(self, tag: int, attributes: Mapping[str, Any] | None) -> list[bytes]:
+    def _attrs(
+        self,
+        tag: int,
+        attributes: Mapping[str, Any] | None,
+        out: list[bytes] | None = None,
+        limit: int | None = None,
+    ) -> list[bytes]:
         """Each attribute as a whole field ``tag`` (its KeyValue), kept if it
-        repeats. A value of a type OTLP has no case for is left out, as the
-        SDK's encoder leaves it out.
+        repeats, appended to ``out`` (a new list when None), which is returned.
+        A value of a type OTLP has no case for is left out, as the SDK's
+        encoder leaves it out. ``limit``: strings cut at that many characters
+        (a tuple's strings too), as the SDK's BoundedAttributes cuts them.
 
         The common cases first, without a call: a string, integer or bool kept
         under its own key; a float (a duration: mostly unique, never kept)
         written behind the encoded head of its (tag, key), which is kept."""
+        if out is None:
+            out = []
         if not attributes:
-            return []
+            return out
         cache = self._attributes
         heads = self._float_heads
-        out = []
         for key, value in attributes.items():
             kind = type(value)
             if kind is float:
@@ -164,10 +183,14 @@ class OtlpEncoder:
                 out.append(head + _DOUBLE(value))
                 continue
             if kind in _KEPT_SCALARS:
+                if kind is str and limit is not None and len(value) > limit:
+                    value = value[:limit]
                 encoded = cache.get((tag, key, value, kind))
                 if encoded is not None:
                     out.append(encoded)
                     continue
+            elif limit is not None:
+                value = cut(value, limit)
             encoded = self._attr(tag, key, value)
             if encoded is not None:
                 out.append(encoded)
@@ -304,13 +327,16 @@ class OtlpEncoder:
         links: Sequence[Any],
         status: Status,
         dropped: tuple[int, int, int] = _NOTHING_DROPPED,
+        limit: int | None = None,
     ) -> bytes:
         """:meth:`span` of the ids themselves (the span builder's path, which
-        makes no SpanContext): ``parent_span_id`` None for a root."""
+        makes no SpanContext): ``parent_span_id`` None for a root; ``limit``
+        the span attributes' length limit (:meth:`_attrs`)."""
         if trace_id != self._trace_id:  # a journey's spans share theirs
             self._trace_id = trace_id
             self._trace_field = b"\x0a\x10" + trace_id.to_bytes(16, "big")
-        parts = [self._trace_field, b"\x12\x08" + span_id.to_bytes(8, "big")]
+        # parts[0]: the field's own tag and length, written last (one join, no copy).
+        parts = [b"", self._trace_field, b"\x12\x08" + span_id.to_bytes(8, "big")]
         if trace_state:
             parts.append(_string(0x1A, _trace_state(trace_state)))
         if parent_span_id is not None:
@@ -327,7 +353,7 @@ class OtlpEncoder:
             parts.append(b"\x39" + _FIXED64(start_time))
         if end_time:
             parts.append(b"\x41" + _FIXED64(end_time))
-        parts.extend(self._attrs(0x4A, attributes))
+        self._attrs(0x4A, attributes, parts, limit)
         if dropped != _NOTHING_DROPPED:
             for tag, count in zip((b"\x50", b"\x60", b"\x70"), dropped, strict=True):
                 if count:  # fields 10, 12, 14 (a parser takes fields in any order)
@@ -338,7 +364,8 @@ class OtlpEncoder:
             parts.append(_field(0x6A, self._link(link.context, link)))
         parts.append(self._status(status))
         parts.append(_FLAGS_REMOTE if parent_is_remote else _FLAGS_LOCAL)
-        return _field(0x12, b"".join(parts))
+        parts[0] = b"\x12" + _varint(sum(map(len, parts)))  # ScopeSpans.spans (field 2)
+        return b"".join(parts)
 
     def _status(self, status: Status) -> bytes:
         """Span.status (field 15). Kept per Status object (the span builder's
@@ -358,7 +385,7 @@ class OtlpEncoder:
 
     def _event(self, name: str, timestamp: int, event: Any) -> bytes:
         parts = [b"\x09" + _FIXED64(timestamp) if timestamp else b"", _string(0x12, name)]
-        parts.extend(self._attrs(0x1A, event.attributes))
+        self._attrs(0x1A, event.attributes, parts)
         if event.dropped_attributes:
             parts.append(b"\x20" + _varint(event.dropped_attributes))
         return b"".join(parts)
@@ -368,7 +395,7 @@ class OtlpEncoder:
             b"\x0a\x10" + ctx.trace_id.to_bytes(16, "big"),
             b"\x12\x08" + ctx.span_id.to_bytes(8, "big"),
         ]
-        parts.extend(self._attrs(0x22, link.attributes))
+        self._attrs(0x22, link.attributes, parts)
         if link.dropped_attributes:
             parts.append(b"\x28" + _varint(link.dropped_attributes))
         parts.append(b"\x35" + _FIXED32(_flags(ctx)))  # field 6, fixed32

@@ -29,20 +29,12 @@ from opentelemetry.util.types import AttributeValue
 
 from vllm_journey_otel import rng
 from vllm_journey_otel import schema as S
-from vllm_journey_otel.export.otlp_encoder import OtlpEncoder
+from vllm_journey_otel.export.otlp_encoder import OtlpEncoder, cut
 from vllm_journey_otel.export.spans import PlannedSpan, trace_id_of
 
 SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 ERROR_STATUS = Status(StatusCode.ERROR, "request finished with an error")
 UNSET_STATUS = Status(StatusCode.UNSET)
-
-
-def _cut(value: AttributeValue, limit: int) -> AttributeValue:
-    if isinstance(value, str):
-        return value[:limit]
-    if isinstance(value, tuple) and value and isinstance(value[0], str):
-        return tuple(v[:limit] if isinstance(v, str) else v for v in value)
-    return value
 
 
 def bounded(attrs: Mapping[str, AttributeValue], limit: int | None) -> dict[str, AttributeValue]:
@@ -56,7 +48,7 @@ def bounded(attrs: Mapping[str, AttributeValue], limit: int | None) -> dict[str,
                 continue
         elif type(value) in _NUMBERS or not isinstance(value, tuple) or not _longer(value, limit):
             continue
-        return {k: _cut(v, limit) for k, v in attrs.items()}
+        return {k: cut(v, limit) for k, v in attrs.items()}
     return attrs if isinstance(attrs, dict) else dict(attrs)
 
 
@@ -199,9 +191,10 @@ class SpanBuilder:
                 encoder.span_of_ids(
                     trace_id, span_ids[i], trace_state, parent_id, parent_remote,
                     p.name, p.kind, p.start_unix_ns, p.end_unix_ns,
-                    bounded(p.attributes, limit), events, kept_links,
+                    p.attributes, events, kept_links,
                     ERROR_STATUS if p.error else UNSET_STATUS,
                     (0, getattr(events, "dropped", 0), getattr(kept_links, "dropped", 0)),
+                    limit,  # the encoder cuts the long strings as it writes them
                 )
             )  # fmt: skip
         return out
