@@ -10,6 +10,7 @@ import fcntl
 import io
 import itertools
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -458,6 +459,9 @@ def test_exporter_builds_no_faster_than_it_exports(monkeypatch, capfd) -> None: 
         err = capfd.readouterr().err
         assert f"400 journeys received, {expected} spans built, {expected} exported" in err, err
         assert "0 left unexported at exit" in err, err
+        # Its CPU in all, at exit: start-up and 2,000 spans are not free.
+        cpu = re.search(r"exporter pid=(\d+)\).* ([0-9.]+) s of CPU$", err, re.M)
+        assert cpu is not None and int(cpu[1]) == sink.pid and float(cpu[2]) > 0, err
     finally:
         receiver.stop()
 

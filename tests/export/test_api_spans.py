@@ -8,12 +8,14 @@ from __future__ import annotations
 import pytest
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.engine.trace_headers import bounded_trace_headers
 from vllm_journey_otel.export.api_spans import plan_api
 from vllm_journey_otel.export.span_builder import SpanBuilder
+from vllm_journey_otel.export.span_sink import SpanSink
 from vllm_journey_otel.journey import API_PARENT_KEY, ApiJourney, RootIds
 
 CLIENT_TRACE = 0x0AF7651916CD43DD8448EB211C80319C
@@ -146,3 +148,15 @@ def test_the_engine_keeps_the_api_servers_mark_only_with_a_parent() -> None:
     assert bounded_trace_headers(marked) == {**CLIENT, API_PARENT_KEY: "1"}
     assert bounded_trace_headers({API_PARENT_KEY: "1"}) is None
     assert bounded_trace_headers({**CLIENT, API_PARENT_KEY: "yes"}) == CLIENT
+
+
+def test_the_api_servers_exporter_counts_its_records_as_journeys() -> None:
+    """Its exit line (exporter_process.py) says what it received, and is logged
+    at all only when it received something."""
+    memory = InMemorySpanExporter()
+    sink = SpanSink.from_env({"service.name": "api"}, exporters=[memory], threaded=False)
+    assert sink.consume([record(), record(stream=False)]) == 0
+    sink.flush(5)
+    assert sink.health.journeys == 2
+    assert len(memory.get_finished_spans()) == sink.health.spans_built == 6
+    assert sink.health.summary().startswith("2 journeys received, 6 spans built, 6 exported")

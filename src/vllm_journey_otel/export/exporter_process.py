@@ -30,6 +30,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 from vllm_journey_otel.config import (
@@ -146,9 +147,12 @@ def main(argv: list[str]) -> int:
         level = logging.WARNING if lost else logging.INFO if health.journeys else logging.DEBUG
         logger.log(
             level,
-            "journey-otel exporter: %s%s",
+            "journey-otel exporter: %s%s; %.3f s of CPU",
             health.summary(),
             f"; {unbuilt}" if unbuilt else "",
+            # This process's CPU in all (every thread, start-up included): what
+            # exporting cost the host (benchmarks/serve_short.py reads it).
+            time.process_time(),
         )
         if sink.stage.waited_s >= 1.0:
             # Export was the bottleneck: the pipe and the engine side's queue took the excess.

@@ -208,6 +208,8 @@ class SpanSink:
             span, parent = plan_in_flight(journey, offset_ns)
             plan = [span]
         elif isinstance(journey, ApiJourney):
+            # A journey received (the API server's exporter says so at exit).
+            self.health.journeys += 1
             offset_ns = self._clock.at(journey.receipt_mono_ns).offset_ns
             plan, parent, links = plan_api(journey, offset_ns)
             self._health_attributes(plan[ROOT].attributes)
