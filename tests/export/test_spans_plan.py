@@ -7,6 +7,7 @@ stamps, so the expected epoch times are exact.
 from __future__ import annotations
 
 import pytest
+from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -14,8 +15,19 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.engine.request_journey import RequestJourney
 from vllm_journey_otel.export.span_builder import SpanBuilder
-from vllm_journey_otel.export.spans import plan_spans, root_context
-from vllm_journey_otel.journey import STATUS_ABORTED, STATUS_ERROR, STATUS_LENGTH, FinishedJourney
+from vllm_journey_otel.export.spans import (
+    client_context,
+    parent_context,
+    plan_spans,
+    root_context,
+)
+from vllm_journey_otel.journey import (
+    API_PARENT_KEY,
+    STATUS_ABORTED,
+    STATUS_ERROR,
+    STATUS_LENGTH,
+    FinishedJourney,
+)
 
 MS = 1_000_000
 OFFSET = 1_700_000_000_000_000_000  # epoch ns at mono 0
@@ -411,3 +423,77 @@ def test_ids_and_sampling_ignore_vllms_seeded_global_random() -> None:
     draw()
     random.seed(0)
     assert random.getstate() == state, "vLLM's own random stream is not consumed"
+
+
+_TRACE = "0af7651916cd43dd8448eb211c80319c"
+_SPAN = "b7ad6b7169203331"
+
+
+class _Str(str):
+    pass
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"traceparent": f"00-{_TRACE}-{_SPAN}-01"},
+        {"traceparent": f"00-{_TRACE}-{_SPAN}-00"},  # not sampled by the client
+        {"traceparent": f"00-{_TRACE}-{_SPAN}-ff"},  # flags beyond sampled
+        {"traceparent": f"00-{'0' * 32}-{_SPAN}-01"},  # invalid trace id
+        {"traceparent": f"00-{_TRACE}-{'0' * 16}-01"},  # invalid span id
+        {"traceparent": f"00-{_TRACE.upper()}-{_SPAN}-01"},  # uppercase hex: invalid
+        {"traceparent": f"ff-{_TRACE}-{_SPAN}-01"},  # version ff: invalid
+        {"traceparent": f"01-{_TRACE}-{_SPAN}-01"},  # a later version
+        {"traceparent": f"01-{_TRACE}-{_SPAN}-01-more"},  # a later version, extended
+        {"traceparent": f"00-{_TRACE}-{_SPAN}-01-more"},  # version 00 extended: invalid
+        {"traceparent": f" 00-{_TRACE}-{_SPAN}-01"},  # surrounding space
+        {"traceparent": f"00-{_TRACE}-{_SPAN}-0x"},
+        {"traceparent": f"00_{_TRACE}-{_SPAN}-01"},
+        {"traceparent": f"00-{_TRACE}-{_SPAN}-01", "tracestate": "vendor=1,other=two"},
+        # The API server's headers (its traceparent and its mark): the default path.
+        {"traceparent": f"00-{_TRACE}-{_SPAN}-01", API_PARENT_KEY: "1"},
+        {"traceparent": f"00-{_TRACE}-{_SPAN}-00", API_PARENT_KEY: "1"},
+        {"traceparent": f"00-{_TRACE}-{_SPAN}-01", API_PARENT_KEY: "1", "tracestate": "v=1"},
+        {"traceparent": f"00-{_TRACE}-{_SPAN}-01", "other": "x"},
+        {"traceparent": f"00-{_TRACE}-{_SPAN}-01 "},  # 56 characters: trailing space
+        {"traceparent": f"00-{_TRACE}-{_SPAN}-01\t"},
+        {"traceparent": f"00-{_TRACE}-{_SPAN}-01\n"},
+        {"traceparent": _Str(f"00-{_TRACE}-{_SPAN}-01")},  # a str subclass
+        {"traceparent": [f"00-{_TRACE}-{_SPAN}-01"]},  # not a str
+        {"tracestate": "vendor=1"},
+        {"other": "x"},
+        {},
+    ],
+)
+def test_the_client_context_is_what_the_propagator_reads(headers: dict[str, str]) -> None:
+    """client_context parses the common traceparent itself; every header,
+    common or not, must read as the SDK's W3C propagator reads it."""
+    theirs = trace.get_current_span(parent_context(headers)).get_span_context()
+    ours = client_context(headers)
+    if not theirs.is_valid:
+        assert ours is None
+        return
+    assert ours is not None
+    assert (ours.trace_id, ours.span_id, ours.trace_flags, ours.is_remote) == (
+        theirs.trace_id,
+        theirs.span_id,
+        theirs.trace_flags,
+        theirs.is_remote,
+    )
+    assert ours.trace_state == theirs.trace_state
+
+
+def test_the_api_servers_headers_are_parsed_without_the_propagator(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The default path (every journey under an API-server span) takes the
+    direct parse: the exporter pays no propagator per journey for it."""
+    import vllm_journey_otel.export.spans as spans
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the propagator was called")
+
+    monkeypatch.setattr(spans._PROPAGATOR, "extract", refuse)
+    ctx = client_context({"traceparent": f"00-{_TRACE}-{_SPAN}-01", API_PARENT_KEY: "1"})
+    assert ctx is not None
+    assert (ctx.trace_id, ctx.span_id, int(ctx.trace_flags)) == (int(_TRACE, 16), int(_SPAN, 16), 1)

@@ -19,6 +19,7 @@ decode instance after the request ended.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +48,9 @@ from vllm_journey_otel.journey import (
 )
 
 _PROPAGATOR = TraceContextTextMapPropagator()
+# A W3C traceparent of version 00 (www.w3.org/TR/trace-context, "traceparent
+# Header"), lowercase hex as the propagator's own pattern requires.
+_TRACEPARENT_00 = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 _NS_PER_MS = 1e6
 
 # Index of the root in a plan; its children's ``parent`` is this.
@@ -456,6 +460,22 @@ def client_context(trace_headers: dict[str, str] | None) -> SpanContext | None:
     """The client's span context (remote), or None without a valid one."""
     if not trace_headers:
         return None
+    if "tracestate" not in trace_headers:
+        # The common case: a version-00 traceparent of exactly 55 characters and
+        # no tracestate (the default path's headers: the API server's
+        # traceparent and its mark, which the propagator does not read), parsed
+        # here without the propagator's Context objects and its regex per call.
+        # Any other form goes to the propagator, whose rules this shortcut
+        # follows (tests/export/test_spans_plan.py compares the two).
+        header = trace_headers.get("traceparent")
+        if type(header) is str and len(header) == 55:
+            match = _TRACEPARENT_00.fullmatch(header)
+            if match is not None:
+                trace_id, span_id = int(match[1], 16), int(match[2], 16)
+                if not (trace_id and span_id):
+                    return None  # all-zero ids: invalid, as the propagator says
+                flags = TraceFlags(int(match[3], 16))
+                return SpanContext(trace_id, span_id, is_remote=True, trace_flags=flags)
     ctx = trace.get_current_span(parent_context(trace_headers)).get_span_context()
     return ctx if ctx.is_valid else None
 
