@@ -40,7 +40,13 @@ def _server(
         "VLLM_CPU_OMP_THREADS_BIND": cpu,
         **extra,
     }
-    args = ["--block-size", str(BLOCK), "--kv-transfer-config", json.dumps(config)]
+    # float32: in bfloat16 (the CPU platform's choice on a CPU with AVX512-BF16)
+    # vLLM 0.32's CPU attention takes its AMX path where the CPU has AMX, and on
+    # this machine (Xeon with AMX) the decode instance's worker died of SIGILL on
+    # its first step over the KV that FileKVConnector loaded; float32 takes the
+    # vector path on every CPU.
+    args = ["--block-size", str(BLOCK), "--dtype", "float32"]
+    args += ["--kv-transfer-config", json.dumps(config)]
     return VllmServer(model, tmp / f"vllm-{role}.log", env, args)
 
 

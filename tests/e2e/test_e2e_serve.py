@@ -9,7 +9,6 @@ scheduler-level tests drive AsyncScheduler and the V2 resume path instead.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import random
 import signal
@@ -277,21 +276,30 @@ def _in_flight_at_sigterm(server: VllmServer, tp: str) -> threading.Thread:
     """A streamed request for the test to SIGTERM the server under (vLLM aborts
     it, or it ends before the abort reaches it): its thread, returned once its
     first chunk came (it is decoding then)."""
-    decoding = threading.Event()
+    started = threading.Event()  # its first chunk came, or it failed before one
+    failed: list[BaseException] = []
 
     def request() -> None:
         # A short client timeout: vLLM's API server waits for open connections
         # before it exits, and this request's engine core is gone.
-        with contextlib.suppress(Exception):  # the server goes away under it
+        try:
             for _ in client(server).with_options(timeout=4.0).completions.create(
                 model=server.model, prompt="in flight at shutdown", max_tokens=LONG_TOKENS,
                 stream=True, extra_headers={"traceparent": tp}, extra_body={"ignore_eos": True},
             ):  # fmt: skip
-                decoding.set()
+                started.set()
+        except Exception as exc:
+            # After its first chunk the server goes away under it (the test's
+            # SIGTERM); before it, the test's precondition failed.
+            if not started.is_set():
+                failed.append(exc)
+        finally:
+            started.set()
 
     thread = threading.Thread(target=request, daemon=True)
     thread.start()
-    assert decoding.wait(30), "the long request's first chunk"
+    assert started.wait(30), "the long request's first chunk"
+    assert not failed, f"the long request failed before its first chunk: {failed[0]!r}"
     return thread
 
 
