@@ -9,7 +9,7 @@ stage, and CPU seconds: the drain thread, the rest of this process (mostly the
 receiver) and the exporter process.
 
     .venv/bin/python benchmarks/export_bench.py [N] [OFFERED_PER_S] [--receiver parse|count]
-        [--exporters K] [--step K]
+        [--exporters K] [--step K] [--api-parent] [--api-records]
 
 Journeys are submitted in steps of 100 (``--step``), each followed by the engine
 thread's hand-off (``publish_due``: a frame at most every 50 ms, when a pipe has
@@ -25,6 +25,13 @@ for well over ten seconds to show that a rate is sustained.
 every request decoded into protobuf objects. ``--receiver count`` keeps the raw
 request bytes and decodes them after the run, so the receiver's own cost is as
 small as a Python gRPC server allows.
+
+``--api-parent`` gives every journey the trace headers the API server hands
+the engine core on the default path (its traceparent and its mark): the
+engine's root is then the child of the API server's span.
+
+``--api-records`` feeds the API server's records instead (``ApiJourney``, three
+spans each), as its own exporter process receives them.
 
 ``--exporters K`` starts K exporter processes fed frames in turn
 (VLLM_JOURNEY_OTEL_EXPORTER_PROCESSES).
@@ -55,8 +62,15 @@ from vllm_journey_otel import schema as S
 from vllm_journey_otel.engine.pipe_sink import PipeSink
 from vllm_journey_otel.engine.pipeline import JourneyPipeline
 from vllm_journey_otel.engine.request_journey import RequestJourney
+from vllm_journey_otel.export.api_spans import plan_api
 from vllm_journey_otel.export.spans import plan_spans
-from vllm_journey_otel.journey import STATUS_LENGTH, FinishedJourney
+from vllm_journey_otel.journey import (
+    API_PARENT_KEY,
+    STATUS_LENGTH,
+    ApiJourney,
+    FinishedJourney,
+    RootIds,
+)
 
 MS = 1_000_000
 # What the plugin puts on the resource in vLLM (handoff._resource_attributes).
@@ -75,12 +89,20 @@ WARMUP = 100  # journeys per exporter before the timing starts
 LOSSLESS_BACKLOG = 1000
 
 
-def journeys(n: int) -> list[FinishedJourney]:
+def journeys(n: int, api_parent: bool = False) -> list[FinishedJourney]:
+    """``api_parent``: each under an API server's span, as on the default path
+    (the engine's trace headers are the API server's traceparent and its mark)."""
     out = []
     base = time.monotonic_ns()
     for i in range(n):
         t = base + i * MS
-        j = RequestJourney(f"cmpl-{i:016x}-0-abcdef12", time.time(), t, i, 100, 64)
+        headers = None
+        if api_parent:
+            tp = f"00-{i + 1:032x}-{i + 1:016x}-01"
+            headers = {"traceparent": tp, API_PARENT_KEY: "1"}
+        j = RequestJourney(
+            f"cmpl-{i:016x}-0-abcdef12", time.time(), t, i, 100, 64, trace_headers=headers
+        )
         j.scheduled(t + MS, i, 0, 100, 100, 0)
         j.tokens(t + 2 * MS, i, 1)
         if i % 7 == 0:
@@ -88,6 +110,27 @@ def journeys(n: int) -> list[FinishedJourney]:
             j.scheduled(t + 4 * MS, i, 0, 103, 103, 3)
             j.tokens(t + 5 * MS, i, 4)
         out.append(j.finish(t + 9 * MS, i, STATUS_LENGTH, "length", 64, t + 9 * MS))
+    return out
+
+
+def api_records(n: int) -> list[ApiJourney]:
+    """What an API server's exporter receives: one record per HTTP request (a
+    streamed chat completion of 10 chunks, its span ids chosen at receipt)."""
+    out = []
+    base = time.monotonic_ns()
+    for i in range(n):
+        t = base + i * MS
+        out.append(
+            ApiJourney(
+                ids=RootIds(i + 1, i + 1, i + 1), parent_headers=None, server_kind=True,
+                head_sampled=True, method="POST", path="/v1/chat/completions", stream=True,
+                disconnected=False, status_code=200, exception=None,
+                request_ids=[f"chatcmpl-{i:032x}-0"], receipt_mono_ns=t,
+                end_mono_ns=t + 90 * MS, arrival_time_s=time.time(),
+                handoff_mono_ns=t + MS, first_body_mono_ns=t + 20 * MS,
+                last_output_mono_ns=t + 89 * MS, chunks=10,
+            )
+        )  # fmt: skip
     return out
 
 
@@ -204,6 +247,16 @@ def main() -> None:
     ap.add_argument("--receiver", choices=("parse", "count"), default="parse")
     ap.add_argument("--exporters", type=int, default=1)
     ap.add_argument("--step", type=int, default=100, help="journeys finished per scheduler step")
+    ap.add_argument(
+        "--api-records",
+        action="store_true",
+        help="the API server's records (its exporter's input) instead of engine journeys",
+    )
+    ap.add_argument(
+        "--api-parent",
+        action="store_true",
+        help="journeys under an API server's span, as on the default path",
+    )
     args = ap.parse_args()
     n, offered, step = args.n, args.offered_per_s, max(1, args.step)
 
@@ -213,9 +266,16 @@ def main() -> None:
     port = receiver.start()
     os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = f"http://127.0.0.1:{port}"
     os.environ["OTEL_TRACES_EXPORTER"] = "otlp"
-    warmup = journeys(WARMUP * args.exporters)
-    batch = journeys(n)
-    expected_spans = sum(len(plan_spans(j, 0)) for j in warmup + batch)
+    warmup: list[Any]
+    if args.api_records:
+        warmup, batch = api_records(WARMUP * args.exporters), api_records(n)
+        expected_spans = sum(len(plan_api(j, 0)[0]) for j in warmup + batch)
+    else:
+        warmup, batch = (
+            journeys(WARMUP * args.exporters, args.api_parent),
+            journeys(n, args.api_parent),
+        )
+        expected_spans = sum(len(plan_spans(j, 0)) for j in warmup + batch)
     sink = PipeSink.start(RESOURCE, processes=args.exporters)
     assert len(sink.pids) == args.exporters
     # Timing starts once every exporter has started up and exported a first batch.

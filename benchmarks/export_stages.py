@@ -15,11 +15,14 @@ this process (the same code the exporter process runs, on the same journeys as
 * ``ours_from_plan``: what the exporter runs instead of ``build`` and the
   encoding, with OTLP exporters only: each plan straight to OTLP Span fields
   (``SpanBuilder.encode``) and the batch's request around them (``OtlpEncoder.wrap``);
-* ``ours_to_grpc``: those bytes parsed into the request message and serialized
-  again, as our gRPC exporter hands them to gRPC (``otlp_exporters.py``);
+  gRPC sends those bytes as they are (``otlp_exporters.py``);
 * ``receiver_parse``: what a Python receiver pays to decode them again.
 
-    .venv/bin/python benchmarks/export_stages.py [N] [ROUNDS]
+    .venv/bin/python benchmarks/export_stages.py [N] [ROUNDS] [api-parent|api-records]
+
+``api-parent``: every journey under an API server's span, as on the default
+path (``export_bench.py --api-parent``); ``api-records``: the API server's
+records instead, as its own exporter receives them (``--api-records``).
 
 The cyclic GC is tuned as in the exporter process.
 """
@@ -39,27 +42,40 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from export_bench import RESOURCE, journeys
+from export_bench import RESOURCE, api_records, journeys
 
 from vllm_journey_otel.config import Batching
 from vllm_journey_otel.engine.pipe_sink import PipeSink
+from vllm_journey_otel.export.api_spans import plan_api
 from vllm_journey_otel.export.exporter_process import tune_gc
 from vllm_journey_otel.export.exporters import make_resource, span_limits
 from vllm_journey_otel.export.otlp_encoder import OtlpEncoder
 from vllm_journey_otel.export.span_builder import SpanBuilder
 from vllm_journey_otel.export.spans import plan_spans, root_context
+from vllm_journey_otel.journey import ApiJourney
 from vllm_journey_otel.wire import DECODER
 
 FRAME_JOURNEYS = 100
 
 
+def plan_of(record: Any) -> tuple[Any, tuple[Any, Any]]:
+    """A record's span plan and its root's (parent, links), as the exporter makes them."""
+    if isinstance(record, ApiJourney):
+        plan, parent, links = plan_api(record, 0)
+        return plan, (parent, links)
+    return plan_spans(record, 0, 0), root_context(record)
+
+
 def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 10_000
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 5
+    kind = sys.argv[3] if len(sys.argv) > 3 else "journeys"
+    if kind not in ("journeys", "api-parent", "api-records"):
+        raise SystemExit(f"unknown record kind {kind!r}: api-parent or api-records")
+    records = api_records(n) if kind == "api-records" else journeys(n, kind == "api-parent")
     batch_size = Batching().max_batch
     frames = [
-        PipeSink._frame(journeys(n)[i : i + FRAME_JOURNEYS], 0)[4:]
-        for i in range(0, n, FRAME_JOURNEYS)
+        PipeSink._frame(records[i : i + FRAME_JOURNEYS], 0)[4:] for i in range(0, n, FRAME_JOURNEYS)
     ]
     tune_gc()  # as the exporter process does
     builder = SpanBuilder(make_resource(RESOURCE), span_limits())
@@ -79,7 +95,7 @@ def main() -> None:
         decoded = timed("decode", lambda: [j for f in frames for j in DECODER.decode(f).journeys])
         plans = timed(
             "plan",
-            lambda: [(plan_spans(j, 0, 0), root_context(j)) for j in decoded],  # noqa: B023
+            lambda: [plan_of(j) for j in decoded],  # noqa: B023
         )
         built = timed("build", lambda: [builder.build(p, *ctx) for p, ctx in plans])  # noqa: B023
         spans = [s for group in built for s in group]
@@ -91,7 +107,7 @@ def main() -> None:
             ],
         )
         data = timed("serialize", lambda: [r.SerializeToString() for r in requests])  # noqa: B023
-        ours = timed(
+        timed(
             "ours_encode",
             lambda: [
                 encoder.encode(spans[i : i + batch_size])  # noqa: B023
@@ -106,14 +122,7 @@ def main() -> None:
                 for i in range(0, len(fields), batch_size)
             ]
 
-        ours = timed("ours_from_plan", from_plan)
-        timed(
-            "ours_to_grpc",
-            lambda: [
-                trace_service_pb2.ExportTraceServiceRequest.FromString(d).SerializeToString()
-                for d in ours  # noqa: B023
-            ],
-        )
+        timed("ours_from_plan", from_plan)
         timed(
             "receiver_parse",
             lambda: [trace_service_pb2.ExportTraceServiceRequest.FromString(d) for d in data],  # noqa: B023
@@ -121,7 +130,7 @@ def main() -> None:
         spans_per_journey = len(spans) / n
         bytes_per_span = sum(map(len, data)) / len(spans)
     sdk_stages = ("decode", "plan", "build", "otlp_encode", "serialize")
-    our_stages = ("decode", "plan", "ours_from_plan", "ours_to_grpc")
+    our_stages = ("decode", "plan", "ours_from_plan")
     medians = {k: statistics.median(v) for k, v in times.items()}
     sdk_total = sum(medians[k] for k in sdk_stages)
     total = sum(medians[k] for k in our_stages)

@@ -20,7 +20,7 @@ the benchmark taking CPU itself: compare modes within one run only.
 
 Modes (``--modes``, comma-separated):
 
-* off: plain `vllm serve`;
+* off: plain `vllm serve` (``off-2``: the same again, the A/A control);
 * on: `VLLM_JOURNEY_OTEL=1` with the product's defaults, OTLP gRPC to a receiver here;
 * on-unyielding: as on, but the exporter keeps normal CPU priority and every
   CPU (``VLLM_JOURNEY_OTEL_CPU_PRIORITY=normal``, ``VLLM_JOURNEY_OTEL_EXPORTER_CPUS=all``);
@@ -118,6 +118,20 @@ def roles(server_pid: int) -> dict[str, Any]:
         if "vllm_journey_otel.export.exporter_process" in cmd:
             found["exporters"].append(p)
     return found
+
+
+def exporter_owner(exporter: int, pids: dict[str, Any]) -> str:
+    """Whose records an exporter process takes: the role of the process whose
+    pid its resource names (the first argument it is started with)."""
+    try:
+        argv = Path(f"/proc/{exporter}/cmdline").read_bytes().split(b"\0")
+        owner = json.loads(argv[argv.index(b"vllm_journey_otel.export.exporter_process") + 1])
+    except (OSError, ValueError, IndexError):
+        return "unknown"
+    for role, pid in pids.items():
+        if pid == owner.get("process.pid"):
+            return role
+    return "unknown"
 
 
 class Placement(threading.Thread):
@@ -305,6 +319,7 @@ def main() -> None:
     }
     catalogue = {
         "off": {"VLLM_JOURNEY_OTEL": "0"},
+        "off-2": {"VLLM_JOURNEY_OTEL": "0"},  # off again: the A/A control
         "on": on,
         "on-unyielding": {
             **on,
@@ -352,6 +367,8 @@ def main() -> None:
             "engine_on_worker_cpu": quantiles([s for s in share if s is not None]),
             "exporter": mine[-1].get("exporter") if mine else None,
         }
+    from serve_short import within_round  # (serve_short imports this module)
+
     base = report.get("off")
     if isinstance(base, dict) and base["wall_s"]:
         for mode in modes:
@@ -359,6 +376,10 @@ def main() -> None:
             if mode != "off" and isinstance(entry, dict) and entry["wall_s"]:
                 entry["median_wall_vs_off"] = round(
                     entry["wall_s"]["median"] / base["wall_s"]["median"], 3
+                )
+                # Paired within a round (with its bootstrap interval from 5 rounds).
+                entry["wall_vs_off_within_a_round"] = within_round(
+                    rows, mode, "off", lambda row: row["wall_s"]
                 )
     print(json.dumps(report, indent=2))
 

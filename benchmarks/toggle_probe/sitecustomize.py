@@ -1,0 +1,62 @@
+"""plugin_toggle.py: switch the plugin in a running `vllm serve` by signal.
+
+Imported by every Python process that has this folder on ``PYTHONPATH`` and
+``VJO_TOGGLE_PROBE`` set (the path of a state file): the API server, and the
+engine core and model worker that inherit its environment. On ``SIGUSR1``, in
+the main thread (Python runs signal handlers there, between two bytecodes of
+the event loop or of the engine's busy loop), it reads the state file and
+applies it to this process's plugin:
+
+* ``on``: tracing on, the API-server spans on (the defaults);
+* ``api-off``: tracing on, the API-server spans off for the requests received
+  after it (what ``VLLM_JOURNEY_OTEL_API_SPANS=0`` does at start-up: the
+  middleware reads the setting at each request's receipt);
+* ``api-norecord``: as ``on``, but the API server's records are not handed
+  to its exporter (this process's pipeline reads as absent to the
+  middleware): the middleware, its hooks and the traceparent to the engine
+  stay, the records, their hand-off and the API server's exporter's work go;
+* ``exp-stopped``: as ``on`` here (the benchmark stops the exporter processes
+  themselves for the window);
+* ``off`` (and ``off-2``): tracing off, as after an internal error
+  (``state._fail``): every wrapper calls vLLM's own method at once, and the
+  engine's trackers drop what they held. What stays of the plugin: one check
+  per wrapped call, the drain threads (a wake-up a second) and the idle
+  exporter processes.
+
+A process whose plugin failed for real is never switched back on. The plugin
+must start with the API-server spans on (its middleware is installed when the
+app is built). A benchmark tool, not part of the package.
+"""
+
+import dataclasses
+import os
+import signal
+import sys
+
+_STATE_FILE = os.environ.get("VJO_TOGGLE_PROBE")
+_PIPELINE: list = []  # api_server.pipeline, while another stands in for it
+
+if _STATE_FILE:
+
+    def _switch(signum: int, frame: object) -> None:
+        from vllm_journey_otel.engine.state import _STATE
+
+        with open(_STATE_FILE) as f:
+            state = f.read().strip()
+        # Loaded in the API server only (the engine core has no middleware).
+        api_server = sys.modules.get("vllm_journey_otel.engine.api_server")
+        if api_server is not None and _PIPELINE:
+            api_server.pipeline = _PIPELINE[0]
+        if api_server is not None and state == "api-norecord":
+            _PIPELINE[:] = [api_server.pipeline]
+            api_server.pipeline = lambda: None
+        if state in ("off", "off-2"):
+            _STATE.enabled = False
+            for tracker in list(_STATE.trackers):
+                tracker.drop_state()
+            return
+        api = state in ("on", "api-norecord", "exp-stopped")
+        _STATE.config = dataclasses.replace(_STATE.config, api_spans=api)
+        _STATE.enabled = _STATE.installed and not _STATE.failed
+
+    signal.signal(signal.SIGUSR1, _switch)
