@@ -272,35 +272,44 @@ def preempting(model_dir, module_receiver, tmp_path_factory) -> Iterator[dict[st
 LONG_TOKENS = 480  # within --max-model-len 512
 
 
-def _in_flight_at_sigterm(server: VllmServer, tp: str) -> threading.Thread:
+class _InFlight(threading.Thread):
     """A streamed request for the test to SIGTERM the server under (vLLM aborts
-    it, or it ends before the abort reaches it): its thread, returned once its
-    first chunk came (it is decoding then)."""
-    started = threading.Event()  # its first chunk came, or it failed before one
-    failed: list[BaseException] = []
+    it, or it ends before the abort reaches it). :meth:`begin` returns once its
+    first chunk came (it is decoding then); :meth:`how` says how it ended."""
 
-    def request() -> None:
+    def __init__(self, server: VllmServer, tp: str) -> None:
+        super().__init__(daemon=True)
+        self.server, self.tp = server, tp
+        self.chunks = 0
+        self.error: BaseException | None = None
+        self.started = threading.Event()  # its first chunk came, or it ended before one
+
+    def run(self) -> None:
         # A short client timeout: vLLM's API server waits for open connections
         # before it exits, and this request's engine core is gone.
         try:
-            for _ in client(server).with_options(timeout=4.0).completions.create(
-                model=server.model, prompt="in flight at shutdown", max_tokens=LONG_TOKENS,
-                stream=True, extra_headers={"traceparent": tp}, extra_body={"ignore_eos": True},
+            for _ in client(self.server).with_options(timeout=4.0).completions.create(
+                model=self.server.model, prompt="in flight at shutdown", max_tokens=LONG_TOKENS,
+                stream=True, extra_headers={"traceparent": self.tp},
+                extra_body={"ignore_eos": True},
             ):  # fmt: skip
-                started.set()
-        except Exception as exc:
-            # After its first chunk the server goes away under it (the test's
-            # SIGTERM); before it, the test's precondition failed.
-            if not started.is_set():
-                failed.append(exc)
+                self.chunks += 1
+                self.started.set()
+        except Exception as exc:  # after its first chunk: the SIGTERM, as intended
+            self.error = exc
         finally:
-            started.set()
+            self.started.set()
 
-    thread = threading.Thread(target=request, daemon=True)
-    thread.start()
-    assert started.wait(30), "the long request's first chunk"
-    assert not failed, f"the long request failed before its first chunk: {failed[0]!r}"
-    return thread
+    def begin(self) -> _InFlight:
+        self.start()
+        assert self.started.wait(30), "the long request's first chunk"
+        assert self.chunks, f"the long request failed before its first chunk: {self.how()}"
+        return self
+
+    def how(self) -> str:
+        return (
+            f"{self.chunks} chunks, then {self.error!r}" if self.error else f"{self.chunks} chunks"
+        )
 
 
 def _engine_roots(receiver: Receiver, trace_id: int) -> int:
@@ -332,9 +341,12 @@ def test_forced_preemption_then_sigterm_loses_nothing(  # type: ignore[no-untype
                 )
             )  # fmt: skip
         preempted_total = metric_value(server.metrics(), "vllm:num_preemptions_total")
-        long_request = _in_flight_at_sigterm(server, tp)
         before = _engine_roots(module_receiver, trace_id)
-        assert long_request.is_alive(), "precondition: a request in flight at the SIGTERM"
+        # The SIGTERM right after the long request's first chunk: it has 479 to go.
+        long_request = _InFlight(server, tp).begin()
+        assert long_request.is_alive(), (
+            f"precondition: in flight at the SIGTERM ({long_request.how()})"
+        )
         server.signal(signal.SIGTERM)
         server.proc.wait(timeout=60)
         long_request.join(10)
