@@ -295,7 +295,7 @@ class _InFlight(threading.Thread):
             ):  # fmt: skip
                 self.chunks += 1
                 self.started.set()
-        except Exception as exc:  # after its first chunk: the SIGTERM, as intended
+        except Exception as exc:  # the SIGTERM, as intended (before a chunk: begin() fails)
             self.error = exc
         finally:
             self.started.set()

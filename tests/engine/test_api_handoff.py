@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import io
 import os
 import select
 import signal
 import time
+import weakref
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -109,32 +111,40 @@ def test_the_first_token_is_vllms_stamp_the_earliest_of_the_engine_requests() ->
     assert got == pytest.approx(1_700_000_000_625_000_000, abs=1_000)
 
 
+_APP_ERRORS = {"runtime": RuntimeError, "timeout": TimeoutError, "oserror": OSError}
+
+
 def test_a_client_gone_mid_stream_under_an_asgi_2_4_server_is_a_disconnect(served) -> None:  # type: ignore[no-untyped-def]
     """An ASGI 2.4 server's ``send`` raises OSError once the client is gone
     (uvicorn, ASGI 2.3, says so through ``receive`` instead): the request is
-    disconnected mid-response, not an error; an app that fails mid-stream is."""
+    disconnected mid-response, not an error; an app that fails mid-stream is,
+    whatever it raised (a TimeoutError or another OSError of its own too)."""
     from fastapi.responses import StreamingResponse
     from starlette.requests import ClientDisconnect
 
     app, pipeline, r = served
-    ids = iter(range(10))
+    ids = iter(range(100))
+    kept: list[Any] = []  # requests a task outlives (vLLM's output handler keeps its context)
 
     @app.get("/stream")
-    async def stream(fail: int = -1) -> Any:
+    async def stream(fail: int = -1, error: str = "runtime") -> Any:
         async def chunks() -> Any:
             for i in range(5):
                 if i == fail:
-                    raise RuntimeError("the app's own failure")
+                    raise _APP_ERRORS[error]("the app's own failure")
                 yield f"data: {i}\n\n"
 
         api = api_server.current()
         assert api is not None
+        kept.append(api)
         api.on_engine_request(SimpleNamespace(request_id=f"s{next(ids)}", arrival_time=1.0))
         return StreamingResponse(chunks(), media_type="text/event-stream")
 
-    async def call(query: bytes, raise_at_body: int) -> BaseException | None:
+    sends: list[weakref.ref[Any]] = []
+
+    async def call(query: bytes, raise_at_body: int, spec: str = "2.4") -> BaseException | None:
         scope = {
-            "type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"},
+            "type": "http", "asgi": {"version": "3.0", "spec_version": spec},
             "http_version": "1.1", "method": "GET", "scheme": "http", "path": "/stream",
             "raw_path": b"/stream", "query_string": query, "root_path": "",
             "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 5000), "headers": [],
@@ -152,32 +162,50 @@ def test_a_client_gone_mid_stream_under_an_asgi_2_4_server_is_a_disconnect(serve
                 if bodies == raise_at_body:
                     raise OSError("the client is gone")
 
+        sends.append(weakref.ref(send))
         try:
             await app(scope, receive, send)
         except BaseException as exc:  # what the app raised is the subject
             return exc
         return None
 
-    async def run() -> list[BaseException | None]:
-        return [
-            await call(b"", 3),  # the server's send raises at the third chunk
-            await call(b"", 0),  # the whole stream is sent
-            await call(b"fail=2", 0),  # the app raises after two chunks
-        ]
+    cases = {
+        "s0": (b"", 3, "2.4"),  # the server's send raises at the third chunk
+        "s1": (b"", 0, "2.4"),  # the whole stream is sent
+        "s2": (b"fail=2", 0, "2.4"),  # the app raises after two chunks
+        "s3": (b"fail=2&error=timeout", 0, "2.4"),
+        "s4": (b"fail=2&error=oserror", 0, "2.3"),  # no 2.3 server's send raises
+        "s5": (b"fail=2&error=timeout", 0, "2.3"),
+    }
 
-    gone, whole, failed = asyncio.run(run())
-    assert isinstance(gone, ClientDisconnect) and whole is None
-    assert isinstance(failed, RuntimeError)
+    async def run() -> dict[str, BaseException | None]:
+        return {k: await call(*args) for k, args in cases.items()}
+
+    raised = asyncio.run(run())
+    assert isinstance(raised["s0"], ClientDisconnect) and raised["s1"] is None
+    # Starlette re-raises any OSError of a 2.4 stream as ClientDisconnect, the
+    # app's own TimeoutError too (s3): our send saw no failure, so the record
+    # keeps it as the error that escaped, not as a client gone.
+    assert [type(raised[k]) for k in ("s2", "s3", "s4", "s5")] == [
+        RuntimeError, ClientDisconnect, OSError, TimeoutError
+    ]  # fmt: skip
     pipeline.publish_due(time.monotonic_ns(), force=True)
     got = {j.request_ids[0]: j for j in _records(r)}
-    assert sorted(got) == ["s0", "s1", "s2"]
+    assert sorted(got) == sorted(cases)
     # Gone: the three chunks handed to the server, the last of which it refused.
     assert (got["s0"].disconnected, got["s0"].exception, got["s0"].responded) == (True, None, False)
     assert got["s0"].chunks == 3 and got["s0"].stream
     assert (got["s1"].disconnected, got["s1"].exception, got["s1"].responded) == (False, None, True)
     assert got["s1"].chunks == 5 and got["s1"].first_body_mono_ns is None  # no hand-off stamped
-    assert (got["s2"].disconnected, got["s2"].exception) == (False, "RuntimeError")
-    assert got["s2"].chunks == 2 and not got["s2"].responded
+    for key, error in (("s2", "RuntimeError"), ("s3", "ClientDisconnect"), ("s4", "OSError"),
+                       ("s5", "TimeoutError")):  # fmt: skip
+        assert (got[key].disconnected, got[key].exception) == (False, error), key
+        assert got[key].chunks == 2 and not got[key].responded
+    # The requests outlive their responses here; the servers' send functions do not.
+    assert len(kept) == len(cases)
+    raised.clear()  # their tracebacks hold the calls' frames
+    gc.collect()
+    assert [s() for s in sends] == [None] * len(cases)
 
 
 def test_a_forked_child_has_no_pipeline_of_its_parent(served) -> None:  # type: ignore[no-untyped-def]

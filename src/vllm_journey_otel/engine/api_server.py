@@ -96,12 +96,30 @@ def _parent(scope: Scope) -> tuple[dict[str, str] | None, bool]:
     return bounded_trace_headers(found), True
 
 
+# ASGI spec versions before the one whose servers raise from ``send`` for a
+# client gone (2.4); another version is parsed (``_send_raises``).
+_SEND_NEVER_RAISES = frozenset(("2.0", "2.1", "2.2", "2.3"))
+
+
+def _send_raises(scope: Scope) -> bool:
+    """Whether the server's ``send`` may raise ``OSError`` for a client gone (ASGI 2.4+)."""
+    version = str((scope.get("asgi") or {}).get("spec_version", "2.0"))
+    if version in _SEND_NEVER_RAISES:
+        return False
+    try:
+        major, minor, *_ = (int(part) for part in f"{version}.0".split("."))
+    except ValueError:  # not a version: assume it may (the exact, slower send)
+        return True
+    return (major, minor) >= (2, 4)
+
+
 class ApiRequest:
     """One traced HTTP request, filled in as it goes (event-loop thread only)."""
 
     __slots__ = (
         "_receive",
         "_send",
+        "_send_raises",
         "arrival_time_s",
         "chunks",
         "disconnected",
@@ -129,6 +147,7 @@ class ApiRequest:
         self.receipt_ns = receipt_ns
         self._receive = receive
         self._send = send
+        self._send_raises = _send_raises(scope)
         self.method = str(scope.get("method", ""))
         self.path = str(scope.get("path", ""))
         self.parent_headers, self.server_kind = _parent(scope)
@@ -197,8 +216,8 @@ class ApiRequest:
     def send(self, message: Message) -> Awaitable[None]:
         """The app's ``send``: notes the message and returns the server's own
         awaitable, so a message costs no coroutine of ours (a stream sends one
-        per token). A server that raises on a client gone (ASGI 2.4) raises
-        through here: the middleware tells it apart (``_client_gone``)."""
+        per token) where the server never raises from it (ASGI before 2.4:
+        uvicorn says a client is gone through ``receive``)."""
         kind = message.get("type")
         if kind == "http.response.body":
             # One clock read for both: a one-body response's first byte is its last.
@@ -214,7 +233,19 @@ class ApiRequest:
             for name, value in message.get("headers", ()):
                 if name.lower() == b"content-type":
                     self.stream = value.startswith(_EVENT_STREAM)
+        if self._send_raises:
+            return self._send_noting_gone(message)
         return self._send(message)
+
+    async def _send_noting_gone(self, message: Message) -> None:
+        """An ASGI 2.4 server's ``send`` raises ``OSError`` once the client is
+        gone (which Starlette's responses re-raise as ``ClientDisconnect``)."""
+        try:
+            await self._send(message)
+        except OSError:
+            if self.end_ns is None or message.get("more_body", False):
+                self.disconnected = True
+            raise
 
     async def receive(self) -> Message:
         """The app's ``receive``: a disconnect before the response's end marks
@@ -278,9 +309,22 @@ def _traced(req: ApiRequest) -> bool:
     return req.method == "POST" and (req.status_code >= 400 or req.exception is not None)
 
 
+async def _over_send(message: Message) -> None:
+    # As uvicorn answers a message after the response completed.
+    raise RuntimeError(f"Unexpected ASGI message {message.get('type')!r} after the response")
+
+
+async def _over_receive() -> Message:
+    return {"type": "http.disconnect"}  # ASGI: what receive says once the response is sent
+
+
 def _finish(req: ApiRequest) -> None:
     now_ns = time.monotonic_ns()
     req.done = True
+    # The server's send and receive are the connection's: a task that outlives
+    # the request (vLLM's output handler copies the context of the request that
+    # started it) must not keep that connection's objects alive through it.
+    req._send, req._receive = _over_send, _over_receive
     for request_id in req.request_ids:  # aborted: their last output never came
         if _BY_ENGINE_ID.get(request_id) is req:
             del _BY_ENGINE_ID[request_id]
@@ -353,8 +397,6 @@ class JourneyMiddleware:
         try:
             await self.app(scope, req.receive, req.send)
         except BaseException as exc:
-            if req.end_ns is None and _client_gone(exc):
-                req.disconnected = True  # mid-response: the server's send raised
             if not req.disconnected:  # else the app's way of stopping for it
                 req.exception = type(exc).__name__
             raise
@@ -364,18 +406,6 @@ class JourneyMiddleware:
                 _finish(req)
             except Exception:
                 _fail("API-server middleware")
-
-
-def _client_gone(exc: BaseException) -> bool:
-    """The server's ``send`` raised for a client gone: ``OSError`` (ASGI 2.4
-    servers), which Starlette's responses re-raise as ``ClientDisconnect``."""
-    if isinstance(exc, OSError):
-        return True
-    try:
-        from starlette.requests import ClientDisconnect
-    except ImportError:  # no Starlette: only the server's own OSError says so
-        return False
-    return isinstance(exc, ClientDisconnect)
 
 
 def _lifespan(scope: Scope, receive: Receive) -> Receive:

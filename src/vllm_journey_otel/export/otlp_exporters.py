@@ -125,8 +125,7 @@ class GrpcSpanExporter(_TakesEncoded, SdkGrpcSpanExporter):
         self._fast = callable(getattr(super(), "_export", None))
         if not self._fast:
             _fallback(self, "_export")
-        self._sends_bytes = self._fast and all(hasattr(self, n) for n in _GRPC_STUB_PARTS)
-        if self._sends_bytes:
+        if self._fast and all(hasattr(self, n) for n in _GRPC_STUB_PARTS):
             # The SDK re-creates its client from _stub when it re-creates the channel.
             self._stub = _BytesTraceStub
             self._client = _BytesTraceStub(self._channel)  # type: ignore[assignment]
@@ -138,7 +137,9 @@ class GrpcSpanExporter(_TakesEncoded, SdkGrpcSpanExporter):
 
     def _translate_data(self, data: Any) -> Any:
         if isinstance(data, Encoded):
-            if self._sends_bytes:
+            # Asked of the client in use, at every export: a client the SDK made
+            # some other way (another version) would fail to serialize bytes.
+            if isinstance(getattr(self, "_client", None), _BytesTraceStub):
                 return data.payload
             return ExportTraceServiceRequest.FromString(data.payload)
         return super()._translate_data(data)
