@@ -6,7 +6,8 @@ pipe, the detached exporter process, OTLP gRPC) into an OTLP receiver running in
 this process (after a warm-up: every exporter has exported a first batch), and
 reports the rate at which the spans arrived, losses at every
 stage, and CPU seconds: the drain thread, the rest of this process (mostly the
-receiver) and the exporter process.
+receiver) and the exporter process (and its CPU per journey by thread name: the
+Python threads, ``python``, against the gRPC core's own).
 
     .venv/bin/python benchmarks/export_bench.py [N] [OFFERED_PER_S] [--receiver parse|count]
         [--exporters K] [--step K] [--api-parent] [--api-records]
@@ -232,6 +233,42 @@ class CpuWatch:
         return self.last - self.start
 
 
+class ThreadsWatch:
+    """The CPU of each thread of a process that may exit, summed by the
+    thread's name (``comm``): the Python threads are "python" (the main
+    thread and the export stage's), the gRPC core's name their own."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.start = self._read()
+        self.last = dict(self.start)
+
+    def _read(self) -> dict[int, tuple[str, float]]:
+        out = {}
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{self.pid}/task")]
+        except OSError:
+            return {}
+        for tid in tids:
+            try:
+                with open(f"/proc/{self.pid}/task/{tid}/comm") as f:
+                    name = f.read().strip()
+                out[tid] = (name, cpu_of(f"/proc/{self.pid}/task/{tid}/stat"))
+            except (OSError, ValueError, IndexError):  # the thread ended meanwhile
+                continue
+        return out
+
+    def sample(self) -> None:
+        self.last.update(self._read())
+
+    def used_by_name(self) -> dict[str, float]:
+        used: dict[str, float] = {}
+        for tid, (name, cpu) in self.last.items():
+            before = self.start.get(tid, (name, 0.0))[1]  # a thread started since: all of it
+            used[name] = used.get(name, 0.0) + cpu - before
+        return used
+
+
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -287,6 +324,7 @@ def main() -> None:
     pipeline = JourneyPipeline(sink, max_queue=MAX_QUEUE, interval_s=0.05)
     assert pipeline._thread is not None and pipeline._thread.native_id is not None
     exporter_cpus = [CpuWatch(f"/proc/{pid}/stat") for pid in sink.pids]
+    exporter_threads = [ThreadsWatch(pid) for pid in sink.pids]
     drain_cpu = CpuWatch(f"/proc/self/task/{pipeline._thread.native_id}/stat")
     self_cpu0 = time.process_time()
     wait: Callable[[int], None]
@@ -311,6 +349,8 @@ def main() -> None:
             if (i + 1) % (100 * step) == 0:
                 for watch in exporter_cpus:
                     watch.sample()
+                for threads in exporter_threads:
+                    threads.sample()
                 drain_cpu.sample()
     submit_s = time.perf_counter() - t0
     drain_cpu.sample()  # before shutdown ends the thread
@@ -320,9 +360,15 @@ def main() -> None:
     while time.monotonic() < deadline and any(alive(pid) for pid in sink.pids):
         for watch in exporter_cpus:
             watch.sample()
+        for threads in exporter_threads:
+            threads.sample()
         time.sleep(0.05)
     exporters_exited = not any(alive(pid) for pid in sink.pids)
     exporter_cpu = sum(watch.used for watch in exporter_cpus)
+    by_thread: dict[str, float] = {}
+    for threads in exporter_threads:
+        for name, used in threads.used_by_name().items():
+            by_thread[name] = by_thread.get(name, 0.0) + used
     time.sleep(0.2)  # the last answer is on its way to the exporter before it exits
     self_cpu = time.process_time() - self_cpu0
     receiver.settle()
@@ -349,6 +395,12 @@ def main() -> None:
                 "cpu_s_rest_of_this_process": round(self_cpu - drain_cpu.used, 2),
                 "cpu_s_exporter_processes": round(exporter_cpu, 2),
                 "exporter_cpu_us_per_journey": round(exporter_cpu / n * 1e6),
+                # By thread name, until each exporter's last reading before it
+                # exited (its final moments are in the line above only).
+                "exporter_cpu_us_per_journey_by_thread": {
+                    name: round(used / n * 1e6, 1)
+                    for name, used in sorted(by_thread.items(), key=lambda kv: -kv[1])
+                },
             },
             indent=2,
         )
