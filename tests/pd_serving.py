@@ -42,7 +42,7 @@ def _server(
     }
     # float32: in bfloat16 (the CPU platform's choice on a CPU with AVX512-BF16)
     # vLLM 0.32's CPU attention takes its AMX path where the CPU has AMX, and on
-    # this machine (Xeon with AMX) the decode instance's worker died of SIGILL on
+    # a Xeon with AMX the decode instance's worker died of SIGILL on
     # its first step over the KV that FileKVConnector loaded; float32 takes the
     # vector path on every CPU.
     args = ["--block-size", str(BLOCK), "--dtype", "float32"]
