@@ -43,10 +43,13 @@ def cpu_s(pid: int) -> float:
 
 
 def autogroup(pid: int) -> str:
+    """``/autogroup-N``, or "-" where the task has none (no file: a kernel
+    without autogroup; an empty one: a task in a CPU cgroup)."""
     try:
-        return Path(f"/proc/{pid}/autogroup").read_text().split()[0]
+        fields = Path(f"/proc/{pid}/autogroup").read_text().split()
     except OSError:
         return "-"
+    return fields[0] if fields else "-"
 
 
 def start_exporter(how: str, cpu: int) -> tuple[int, int | None]:

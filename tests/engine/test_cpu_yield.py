@@ -241,10 +241,14 @@ def test_exporter_placement_off_switches(bound_child, monkeypatch, capfd) -> Non
 
 
 def _autogroup(pid: int) -> str | None:
+    """The task's scheduler autogroup (``/autogroup-N``), or None where it has
+    none: a kernel without autogroup (no file), or a task whose group is not an
+    autogroup, such as one in a CPU cgroup of a container (an empty file)."""
     try:
-        return Path(f"/proc/{pid}/autogroup").read_text().split()[0]
-    except OSError:  # a kernel without autogroup
+        fields = Path(f"/proc/{pid}/autogroup").read_text().split()
+    except OSError:
         return None
+    return fields[0] if fields else None
 
 
 def test_exporter_stays_in_vllms_session_and_autogroup_in_a_group_of_its_own(monkeypatch) -> None:  # type: ignore[no-untyped-def]
