@@ -2,7 +2,7 @@
 server's spans on): ``explain`` on the whole journey and ``diff`` of two runs.
 
 Two real `vllm serve` writing trace files, identical but for the KV cache: a
-burst of 64 concurrent 256-token completions (``ignore_eos``) against a 1 MiB
+burst of 64 concurrent 256-token completions (``ignore_eos``) against a 512 KiB
 KV cache (preemptions forced), and two such bursts one after the other against
 the default 256 MiB (a run and its rerun, each cut into a file of its own).
 Figures are checked against the spans in the files and vLLM's own counters;
@@ -12,6 +12,7 @@ beyond the noise of two runs, which the gate is tested on both ways.
 
 from __future__ import annotations
 
+import http.client
 import itertools
 import json
 import subprocess
@@ -26,7 +27,7 @@ import pytest
 from conftest import requires_vllm
 from otlp_receiver import wire_spans
 from services import VllmServer, metric_value, wait_until
-from serving import client, new_server, ready
+from serving import new_server, ready
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.tools import explain as X
 from vllm_journey_otel.tools import journey_files as J
@@ -37,7 +38,7 @@ pytestmark = [requires_vllm, pytest.mark.e2e]
 BURST = 64
 TOKENS = 256
 # Both runs differ only in this (the small one forces preemptions).
-SMALL_KV, DEFAULT_KV = "1M", "256M"
+SMALL_KV, DEFAULT_KV = "512K", "256M"
 # A regression gate the small cache must fail and a rerun must pass.
 # (64 journeys bound a p90, not a p99: that needs about 560.)
 GATE = ["--fail-if", "preempted.p90 > +100ms", "--fail-if", "queued.p90 > +200ms"]
@@ -45,40 +46,70 @@ GATE = ["--fail-if", "preempted.p90 > +100ms", "--fail-if", "queued.p90 > +200ms
 
 class Run(NamedTuple):
     """One served burst: its own trace file, vLLM's preemption count after it,
-    and the usage the client was told."""
+    the usage the client was told, and how far apart its requests reached the
+    API server (the first to the last; a failure message shows it: a burst
+    whose arrivals spread over seconds hardly queues)."""
 
     path: Path
     preemptions: float
     input_tokens: int
     output_tokens: int
+    arrivals_ms: float
 
 
-# Each prompt repeats its own words: about 95 tokens, so the small
-# cache (2,048 tokens) holds the prompts of about a third of a burst at once and
-# most of its requests queue however their arrivals spread (with half as many,
-# a burst whose arrivals spread out once queued next to nothing).
+# Each prompt repeats its own words: about 95 tokens, so the small cache
+# (1,024 tokens) holds the prompts of about a tenth of a burst and about three
+# requests at their full length. A burst's requests run about three at a time
+# for seconds, so most of them queue unless their arrivals spread over as long
+# (with requests sent 150 ms apart, under a tenth of them queued with a
+# 2,048-token cache, more than a tenth for seconds with this one).
 REPEATS = 12
 
 
+def _post(server: Any, body: bytes) -> http.client.HTTPConnection:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    return conn
+
+
 def _burst(server: Any, k: int) -> tuple[int, int]:
+    """Burst k: its requests sent back to back by one thread, then answered.
+
+    Sent by one thread, a burst reaches the server within milliseconds. From a
+    thread per request it did not here: once vLLM's CPU backend is busy it can
+    keep a client's threads off both CPUs for seconds (a process that sleeps
+    10 ms woke up to 8 s late beside a busy `vllm serve`, with or without this
+    package), and a burst spread over seconds hardly queues. A request whose
+    connection the server dropped before answering (http.client's
+    RemoteDisconnected: the API server never saw it) is sent once more: a retry
+    that doubled a request would fail the journey counts below."""
     # Burst k's own prompts: a rerun finds nothing of the run before in the prefix cache.
-    # A request whose connection the server dropped before answering is sent
-    # again (once in a CI run, one of 64 met "Server disconnected without
-    # sending a response" and never reached the API server: no journey). This
-    # module's subject is the tools on whole runs; a retry that doubled a
-    # request would fail the journey counts below.
-    c = client(server).with_options(max_retries=2)
+    bodies = [
+        json.dumps({
+            "model": server.model, "prompt": f"burst {k} {i} " * REPEATS,
+            "max_tokens": TOKENS, "ignore_eos": True,
+        }).encode()
+        for i in range(BURST)
+    ]  # fmt: skip
+    conns = [_post(server, body) for body in bodies]
+
+    def usage(i: int) -> dict[str, int]:
+        try:
+            r = conns[i].getresponse()
+        except http.client.RemoteDisconnected:
+            conns[i].close()
+            conns[i] = _post(server, bodies[i])
+            r = conns[i].getresponse()
+        try:
+            text = r.read()
+        finally:
+            conns[i].close()
+        assert r.status == 200, (r.status, text[:500])
+        return dict(json.loads(text)["usage"])
+
     with ThreadPoolExecutor(BURST) as pool:
-        usages = list(
-            pool.map(
-                lambda i: c.completions.create(
-                    model=server.model, prompt=f"burst {k} {i} " * REPEATS, max_tokens=TOKENS,
-                    extra_body={"ignore_eos": True},
-                ).usage,
-                range(BURST),
-            )
-        )  # fmt: skip
-    return sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages)
+        usages = list(pool.map(usage, range(BURST)))
+    return sum(u["prompt_tokens"] for u in usages), sum(u["completion_tokens"] for u in usages)
 
 
 def _cut(path: Path, trace_ids: set[str], out: Path) -> Path:
@@ -143,7 +174,8 @@ def _serve_bursts(server: VllmServer, trace_file: Path, tmp: Path, bursts: int) 
         traces = {s.trace_id for s in spans if s.name == S.SPAN_API and lo <= s.start_unix_ns < hi}
         assert len(traces) == BURST, f"burst {k}: {len(traces)} API requests in its time"
         path = _cut(trace_file, traces, tmp / f"burst-{k}.otlp.jsonl")
-        runs.append(Run(path, preemptions, *tokens))
+        starts = [s.start_unix_ns for s in spans if s.name == S.SPAN_API and s.trace_id in traces]
+        runs.append(Run(path, preemptions, *tokens, (max(starts) - min(starts)) / 1e6))
     return runs
 
 
