@@ -55,7 +55,12 @@ def wait_until(predicate, timeout: float, interval: float = 0.2, what: str = "co
 
 
 class Process:
-    """A child process in its own session, stopped by signalling its group."""
+    """A child process in a process group of its own, stopped by signalling the
+    group. It stays in the caller's session, so in the caller's scheduler
+    autogroup: a busy `vllm serve` in a session of its own (an autogroup of its
+    own) kept a client in the caller's session off both CPUs of this machine for
+    up to 8 s at a time, so a test's burst reached the server spread over
+    seconds and a benchmark's load generator stalled."""
 
     def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str], log: Path) -> None:
         self.name = name
@@ -66,7 +71,7 @@ class Process:
             env=dict(env),
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
+            process_group=0,
         )
 
     @property
