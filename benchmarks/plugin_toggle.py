@@ -11,7 +11,11 @@ What: one `vllm serve` of the tiny CPU model started with the plugin on and
 its defaults (OTLP gRPC to a receiver here), placed as ``serve_short.py --pin
 0:1 --pin-client 0`` places it; ``wrk`` keeps CONCURRENCY short requests in
 flight (``benchmarks/wrk/short_requests.lua``: half streamed chat, half
-completions, TOKENS tokens, ``ignore_eos``) for the whole run. The run is cut
+completions, TOKENS tokens, ``ignore_eos``) for the whole run. Server and
+``wrk`` share this script's session, so one scheduler autogroup
+(``--server-session own``: the server in a session of its own, where a busy
+server kept a process of another session, a 10 ms sleeper, off the CPUs for
+up to 8 s at a time). The run is cut
 into blocks of one window of WINDOW_S per state, the blocks' orders the rows
 of a Williams square in turn (within the blocks of a square each state comes
 right after each other state once: what a window leaves to the next, such as
@@ -41,7 +45,7 @@ the ratios within a block are printed beside it.
 
     .venv/bin/python benchmarks/plugin_toggle.py [--seconds 600] [--window 4]
         [--concurrency 48] [--tokens 8] [--states on,api-off,off,off-2]
-        [--env NAME=VALUE ...]
+        [--env NAME=VALUE ...] [--server-session shared|own]
 """
 
 from __future__ import annotations
@@ -191,7 +195,10 @@ def busy_server(
         **dict(item.split("=", 1) for item in args.env),
     }
     command = ["taskset", "-c", "1", str(ROOT / ".venv" / "bin" / "vllm")]
-    server = VllmServer(model, tmp / "server.log", env, command=command)
+    server = VllmServer(
+        model, tmp / "server.log", env, command=command,
+        own_session=args.server_session == "own",
+    )  # fmt: skip
     wrk: subprocess.Popen[str] | None = None
     pids: dict[str, Any] = {"exporters": []}
     try:
@@ -232,6 +239,13 @@ def main() -> None:
         default=[],
         metavar="NAME=VALUE",
         help="one more variable for the server (e.g. VLLM_JOURNEY_OTEL_EXPORTER_CPUS=0)",
+    )
+    p.add_argument(
+        "--server-session",
+        choices=("shared", "own"),
+        default="shared",
+        help="the server in this script's session, with wrk (one scheduler autogroup), or "
+        "in a session of its own (an autogroup of its own)",
     )
     args = p.parse_args()
     unknown = set(args.states) - set(STATES)

@@ -60,9 +60,17 @@ class Process:
     autogroup: a busy `vllm serve` in a session of its own (an autogroup of its
     own) kept a client in the caller's session off both CPUs of this machine for
     up to 8 s at a time, so a test's burst reached the server spread over
-    seconds and a benchmark's load generator stalled."""
+    seconds and a benchmark's load generator stalled. ``own_session`` starts it
+    in a session of its own instead (``plugin_toggle.py --server-session own``)."""
 
-    def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str], log: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        log: Path,
+        own_session: bool = False,
+    ) -> None:
         self.name = name
         self.log_path = log
         self._log = open(log, "wb")  # noqa: SIM115
@@ -71,7 +79,8 @@ class Process:
             env=dict(env),
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            process_group=0,
+            start_new_session=own_session,
+            process_group=None if own_session else 0,
         )
 
     @property
@@ -118,6 +127,7 @@ class VllmServer(Process):
         max_model_len: int = 2048,
         kv_cache_bytes: str = "256M",
         command: Sequence[str] = (),
+        own_session: bool = False,
     ) -> None:
         self.port = free_port()
         self.model = str(model)
@@ -140,7 +150,7 @@ class VllmServer(Process):
             "--kv-cache-memory-bytes", kv_cache_bytes, "--seed", "0",
             *args,
         ]  # fmt: skip
-        super().__init__("vllm serve", argv, full_env, log)
+        super().__init__("vllm serve", argv, full_env, log, own_session)
 
     @property
     def url(self) -> str:
