@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -54,14 +55,27 @@ def wait_until(predicate, timeout: float, interval: float = 0.2, what: str = "co
     raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
 
 
+def _group(own_session: bool) -> dict[str, Any]:
+    """Popen's arguments for a process group of the child's own, in a session
+    of its own or the caller's (``process_group`` is Python 3.11's; 3.10's
+    ``os.setpgrp`` before exec does the same)."""
+    if own_session:
+        return {"start_new_session": True}
+    if sys.version_info >= (3, 11):
+        return {"process_group": 0}
+    return {"preexec_fn": os.setpgrp}
+
+
 class Process:
     """A child process in a process group of its own, stopped by signalling the
     group. It stays in the caller's session, so in the caller's scheduler
     autogroup: a busy `vllm serve` in a session of its own (an autogroup of its
-    own) kept a client in the caller's session off both CPUs of this machine for
-    up to 8 s at a time, so a test's burst reached the server spread over
-    seconds and a benchmark's load generator stalled. ``own_session`` starts it
-    in a session of its own instead (``plugin_toggle.py --server-session own``)."""
+    own) kept processes of the caller's session off both CPUs of this machine
+    for up to 8 s at a time (a 10 ms sleeper woke that late), so a test's burst
+    reached the server spread over seconds. ``own_session`` starts it in a
+    session of its own instead (``plugin_toggle.py --server-session own``).
+    Its input is /dev/null: in a background group of a terminal's session, a
+    read of the terminal would stop it."""
 
     def __init__(
         self,
@@ -79,8 +93,8 @@ class Process:
             env=dict(env),
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            start_new_session=own_session,
-            process_group=None if own_session else 0,
+            stdin=subprocess.DEVNULL,
+            **_group(own_session),
         )
 
     @property

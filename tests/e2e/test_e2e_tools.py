@@ -58,7 +58,7 @@ class Run(NamedTuple):
 
 
 # Each prompt repeats its own words: about 95 tokens, so the small cache
-# (1,024 tokens) holds the prompts of about a tenth of a burst and about three
+# (1,024 tokens) holds the prompts of about a sixth of a burst and about three
 # requests at their full length. A burst's requests run about three at a time
 # for seconds, so most of them queue unless their arrivals spread over as long
 # (with requests sent 150 ms apart, under a tenth of them queued with a
@@ -75,14 +75,13 @@ def _post(server: Any, body: bytes) -> http.client.HTTPConnection:
 def _burst(server: Any, k: int) -> tuple[int, int]:
     """Burst k: its requests sent back to back by one thread, then answered.
 
-    Sent by one thread, a burst reaches the server within milliseconds. From a
-    thread per request it did not here: once vLLM's CPU backend is busy it can
-    keep a client's threads off both CPUs for seconds (a process that sleeps
-    10 ms woke up to 8 s late beside a busy `vllm serve`, with or without this
-    package), and a burst spread over seconds hardly queues. A request whose
-    connection the server dropped before answering (http.client's
-    RemoteDisconnected: the API server never saw it) is sent once more: a retry
-    that doubled a request would fail the journey counts below."""
+    Sent by one thread, a burst reaches the server within milliseconds; from a
+    thread per request it need not: a client's threads can sit off the CPU
+    beside a busy server (see ``services.Process``), and a burst spread over
+    seconds hardly queues. A request whose connection the server dropped
+    before answering (http.client's RemoteDisconnected: the API server never
+    saw it) is sent once more: a retry that doubled a request would fail the
+    journey counts below."""
     # Burst k's own prompts: a rerun finds nothing of the run before in the prefix cache.
     bodies = [
         json.dumps({
@@ -91,7 +90,7 @@ def _burst(server: Any, k: int) -> tuple[int, int]:
         }).encode()
         for i in range(BURST)
     ]  # fmt: skip
-    conns = [_post(server, body) for body in bodies]
+    conns: list[http.client.HTTPConnection] = []
 
     def usage(i: int) -> dict[str, int]:
         try:
@@ -100,15 +99,17 @@ def _burst(server: Any, k: int) -> tuple[int, int]:
             conns[i].close()
             conns[i] = _post(server, bodies[i])
             r = conns[i].getresponse()
-        try:
-            text = r.read()
-        finally:
-            conns[i].close()
+        text = r.read()
         assert r.status == 200, (r.status, text[:500])
         return dict(json.loads(text)["usage"])
 
-    with ThreadPoolExecutor(BURST) as pool:
-        usages = list(pool.map(usage, range(BURST)))
+    try:
+        conns.extend(_post(server, body) for body in bodies)
+        with ThreadPoolExecutor(BURST) as pool:
+            usages = list(pool.map(usage, range(BURST)))
+    finally:
+        for conn in conns:
+            conn.close()
     return sum(u["prompt_tokens"] for u in usages), sum(u["completion_tokens"] for u in usages)
 
 
