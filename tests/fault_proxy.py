@@ -12,6 +12,13 @@ Modes (switch at any time with :meth:`FaultProxy.set_mode`):
   discarded, nothing ever comes back (a hung backend or a black-holed route).
 
 Leaving ``forward`` closes the connections in progress, as an outage would.
+
+The port is the proxy's for its whole life, ``down`` included: a socket bound
+to it that never listens keeps it out of every other bind and out of the
+kernel's choice of ephemeral ports (so neither another test's server nor one
+of the exporter's own connection attempts, connecting to itself, can take it)
+while a connection to it is still refused. The listener shares the port with
+that reservation through SO_REUSEPORT (Linux).
 """
 
 from __future__ import annotations
@@ -33,13 +40,16 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
         self._conns: list[socket.socket] = []
-        self.port = port or self._free_port()
+        self._reservation = self._bound(port)
+        self.port = int(self._reservation.getsockname()[1])
 
     @staticmethod
-    def _free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return int(s.getsockname()[1])
+    def _bound(port: int) -> socket.socket:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(("127.0.0.1", port))
+        return sock
 
     # -- control -----------------------------------------------------------
     def set_mode(self, mode: str, delay_s: float = 0.0) -> None:
@@ -57,12 +67,11 @@ class FaultProxy:
         with self._lock:
             self._close_conns()
             self._close_listener()
+            self._reservation.close()
 
     # -- internals ---------------------------------------------------------
     def _open_listener(self) -> None:
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", self.port))
+        sock = self._bound(self.port)
         sock.listen(64)
         self._listener = sock
         threading.Thread(target=self._accept_loop, args=(sock,), daemon=True).start()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -70,6 +71,23 @@ def otlp(
             monkeypatch.delenv(key)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", str(timeout_s))
     return cls(endpoint=f"http://127.0.0.1:{port}", insecure=True)
+
+
+def test_the_fault_proxy_keeps_its_port_while_down(proxy: FaultProxy) -> None:
+    # The tests leave the proxy down for minutes while servers start; its port
+    # must stay its own (no other bind, no ephemeral port), yet refuse connections.
+    def refused_and_held() -> None:
+        with pytest.raises(ConnectionRefusedError), socket.socket() as s:
+            s.connect(("127.0.0.1", proxy.port))
+        with pytest.raises(OSError, match="in use"), socket.socket() as s:
+            s.bind(("127.0.0.1", proxy.port))
+
+    refused_and_held()
+    proxy.set_mode(FORWARD)
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5):
+        pass
+    proxy.set_mode(DOWN)
+    refused_and_held()
 
 
 def test_batches_leave_full_or_after_their_delay() -> None:
