@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -27,8 +28,38 @@ BACKEND_VENV = ROOT / ".venv-phoenix"
 ROTEL = next(iter(BACKEND_VENV.glob("lib/python*/site-packages/rotel/rotel-agent")), None)
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now, for a server that binds it later (a `vllm serve`
+    binds its port a minute after it starts). Taken below the kernel's
+    ephemeral range, so that no connection's source port and no one's
+    ``bind(port 0)`` (vLLM picks its ZMQ ports that way) can take it in the
+    meantime, and never the same one twice in this process."""
+    low, _ = _ephemeral_range()
+    first = 15000 if low > 20000 else 1024
+    candidates = list(range(first, low))
+    random.shuffle(candidates)
+    for port in candidates:
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket() as s:  # no room below the range: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
