@@ -185,6 +185,11 @@ class VllmServer(Process):
                 "PYTHONUNBUFFERED": "1",
                 "VLLM_JOURNEY_OTEL_EXPORT_INTERVAL_MS": "50",
                 "OTEL_BSP_SCHEDULE_DELAY": "200",
+                # uvicorn closes an idle kept-alive connection after 5 s by
+                # default; a client that reuses it at that moment gets "server
+                # disconnected" for a request the server never saw (the tests'
+                # clients do not retry: a retry would double a journey).
+                "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "3600",
             }
         )
         full_env.update(env)
