@@ -32,7 +32,7 @@ during the window (their own work, measured directly).
 
     .venv/bin/python benchmarks/plugin_profile.py [--seconds 15] [--rounds 3]
         [--rate 100] [--states on,api-off,off] [--concurrency 48] [--tokens 8]
-        [--env NAME=VALUE ...]
+        [--env NAME=VALUE ...] [--server-session shared|own]
 
 Times: the windows are this process's ``time.monotonic``; py-spy's samples are
 counts, not times.
@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from plugin_toggle import STATES, busy_server, finished, switch  # noqa: E402
+from plugin_toggle import STATES, add_server_session, busy_server, finished, switch  # noqa: E402
 from serve_rounds import cpu_s  # noqa: E402
 
 from otlp_receiver import Receiver  # noqa: E402
@@ -191,6 +191,7 @@ def main() -> None:
         metavar="NAME=VALUE",
         help="one more variable for the server (e.g. VLLM_JOURNEY_OTEL_CPU_PRIORITY=nice)",
     )
+    add_server_session(p)
     args = p.parse_args()
     if not args.states or set(args.states) - set(STATES):
         p.error(f"--states: among {', '.join(STATES)}")

@@ -169,6 +169,17 @@ def switch(args: argparse.Namespace, pids: dict[str, Any], state: str) -> None:
     signal_all(pids["exporters"], signal.SIGSTOP if state == "exp-stopped" else signal.SIGCONT)
 
 
+def add_server_session(p: argparse.ArgumentParser) -> None:
+    """``--server-session``, which :func:`busy_server` reads."""
+    p.add_argument(
+        "--server-session",
+        choices=("shared", "own"),
+        default="shared",
+        help="the server in this script's session, with wrk (one scheduler autogroup), or "
+        "in a session of its own (an autogroup of its own)",
+    )
+
+
 @contextlib.contextmanager
 def busy_server(
     args: argparse.Namespace, receiver: Receiver, seconds: float
@@ -240,13 +251,7 @@ def main() -> None:
         metavar="NAME=VALUE",
         help="one more variable for the server (e.g. VLLM_JOURNEY_OTEL_EXPORTER_CPUS=0)",
     )
-    p.add_argument(
-        "--server-session",
-        choices=("shared", "own"),
-        default="shared",
-        help="the server in this script's session, with wrk (one scheduler autogroup), or "
-        "in a session of its own (an autogroup of its own)",
-    )
+    add_server_session(p)
     args = p.parse_args()
     unknown = set(args.states) - set(STATES)
     if unknown or "off" not in args.states or len(set(args.states)) < 2:
