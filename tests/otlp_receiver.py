@@ -72,10 +72,18 @@ class Receiver:
         return out
 
     def start_grpc(self, port: int = 0, tls: tuple[bytes, bytes] | None = None) -> int:
-        """Serve OTLP/gRPC on ``port`` (0: any); ``self.delay_s`` delays every answer.
+        """Serve OTLP/gRPC on ``port`` (0: one ``services.free_port`` chooses);
+        ``self.delay_s`` delays every answer.
 
         ``tls``: (certificate PEM, key PEM) to serve over TLS instead.
+
+        Not the kernel's choice: a port from the ephemeral range, free while
+        the receiver is stopped and restarted on it, could meanwhile become a
+        connection's source port (the exporter's, connecting to it).
         """
+        from services import free_port
+
+        port = port or free_port()
         receiver = self
 
         class Service(trace_service_pb2_grpc.TraceServiceServicer):

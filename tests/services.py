@@ -64,6 +64,24 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def wait_exited(pids: Sequence[int | None], timeout: float) -> list[int]:
+    """Waits until each process has exited; returns those still alive after
+    ``timeout``. A process already gone counts as exited: an exporter outlives
+    its parent and is reaped by pid 1, perhaps before this looks."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        if pid is None:
+            continue
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            continue
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    return [p.pid for p in alive]
+
+
 def http_json(
     url: str, payload: Any = None, timeout: float = 60.0, headers: Mapping[str, str] | None = None
 ) -> Any:
@@ -259,7 +277,7 @@ class Phoenix(Process):
         ]
         super().__init__("phoenix", argv, env, log)
 
-    def wait_ready(self, timeout: float = 120.0) -> None:
+    def wait_ready(self, timeout: float = 300.0) -> None:
         def healthy() -> bool:
             if not self.alive():
                 raise RuntimeError(f"phoenix exited early:\n{self.tail()}")

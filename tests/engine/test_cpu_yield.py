@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from services import wait_until
+from services import wait_exited, wait_until
 from vllm_journey_otel import config as C
 from vllm_journey_otel.cpu_yield import lower_priority
 from vllm_journey_otel.engine.pipe_sink import PipeSink
@@ -216,7 +216,7 @@ def test_exporter_process_idles_off_the_bound_cpus(bound_child, monkeypatch, cap
         assert len(psutil.Process(sink.pid).threads()) >= 2
     finally:
         sink.shutdown(5)
-        psutil.wait_procs([psutil.Process(sink.pid)], timeout=30)
+        wait_exited([sink.pid], 30)
     line = f"CPU priority SCHED_IDLE; CPUs {format_cpus(rest)}, off {max(ALLOWED)} where"
     assert line in capfd.readouterr().err
 
@@ -237,7 +237,7 @@ def test_exporter_placement_off_switches(bound_child, monkeypatch, capfd) -> Non
         assert _exporter_placement(sink.pid) == {(os.SCHED_OTHER, frozenset(ALLOWED))}
     finally:
         sink.shutdown(5)
-        psutil.wait_procs([psutil.Process(sink.pid)], timeout=30)
+        wait_exited([sink.pid], 30)
 
 
 def _autogroup(pid: int) -> str | None:
@@ -267,7 +267,7 @@ def test_exporter_stays_in_vllms_session_and_autogroup_in_a_group_of_its_own(mon
         assert _autogroup(pid) == _autogroup(os.getpid())
     finally:
         sink.shutdown(5)
-        psutil.wait_procs([psutil.Process(sink.pid)], timeout=30)
+        wait_exited([sink.pid], 30)
 
 
 def test_export_stage_thread_in_the_engine_runs_at_nice_19() -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from otlp_receiver import Receiver
 from records import journeys
-from services import wait_until
+from services import wait_exited, wait_until
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.engine.exporter_launch import (
     FIRST_DELAY_S,
@@ -122,7 +122,7 @@ def test_no_replacement_after_shutdown(exporting) -> None:  # type: ignore[no-un
     pid = sink.pid
     assert pid is not None
     os.kill(pid, signal.SIGKILL)
-    psutil.wait_procs([psutil.Process(pid)], timeout=10)
+    wait_exited([pid], 10)
     sink.maintain()
     assert sink.broken and sink.restarts.due is not None
     sink.shutdown(5)

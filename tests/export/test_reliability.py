@@ -21,7 +21,7 @@ import pytest
 from conftest import import_harness, journeys_from_vllm
 from fault_proxy import BLACKHOLE, FORWARD, FaultProxy
 from otlp_receiver import Receiver
-from services import wait_until
+from services import wait_exited, wait_until
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.engine import handoff
 from vllm_journey_otel.losses import Loss
@@ -104,7 +104,7 @@ def test_outage_is_counted_reported_once_and_recovered(
     finally:
         hooks.uninstall()
         if exporter_pid:
-            psutil.wait_procs([psutil.Process(exporter_pid)], timeout=30)
+            wait_exited([exporter_pid], 30)
         proxy.close()
 
     err = capfd.readouterr().err
@@ -281,7 +281,7 @@ def test_exporter_stalled_engine_side_drops_counted_and_carried(  # type: ignore
     for i in range(3):
         pipeline.submit(journey(f"later-{i}"))
     pipeline.shutdown(10.0)
-    psutil.wait_procs([psutil.Process(sink.pid)], timeout=90)
+    wait_exited([sink.pid], 90)
     roots = {
         s.attributes[S.REQUEST_ID]: s.attributes
         for s in read_spans([out])
