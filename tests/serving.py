@@ -7,10 +7,13 @@ each other).
 from __future__ import annotations
 
 import functools
+import http.client
+import json
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from otlp_receiver import Receiver, wire_spans
 from services import VllmServer, wait_until
@@ -135,3 +138,50 @@ def assert_parented(root: Node, trace_id: int, span_id: int) -> None:
         assert root.api.span.context.trace_id == trace_id
         parent = root.api.span.parent
     assert parent is not None and parent.span_id == span_id
+
+
+def _post(
+    server: VllmServer, path: str, body: bytes, headers: Mapping[str, str]
+) -> http.client.HTTPConnection:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    conn.request("POST", path, body, {"Content-Type": "application/json", **headers})
+    return conn
+
+
+def post_together(
+    server: VllmServer,
+    bodies: Sequence[Mapping[str, Any]],
+    headers: Mapping[str, str] | None = None,
+    path: str = "/v1/completions",
+) -> list[dict[str, Any]]:
+    """Each body POSTed as JSON, all of them sent back to back by one thread,
+    then the answers read (a pool of threads), in order.
+
+    A burst sent from a thread per request need not arrive as one: a client's
+    threads can sit off the CPU beside a busy server for seconds, and a burst
+    spread over seconds hardly queues or preempts. A request whose connection
+    the server dropped before answering (http.client's RemoteDisconnected: the
+    API server never saw it) is sent once more; any other failure raises: a
+    retry that doubled a request would double its journey."""
+    sent = [json.dumps(body).encode() for body in bodies]
+    extra = dict(headers or {})
+    conns: list[http.client.HTTPConnection] = []
+
+    def answer(i: int) -> dict[str, Any]:
+        try:
+            r = conns[i].getresponse()
+        except http.client.RemoteDisconnected:
+            conns[i].close()
+            conns[i] = _post(server, path, sent[i], extra)
+            r = conns[i].getresponse()
+        text = r.read()
+        assert r.status == 200, (r.status, text[:500])
+        return dict(json.loads(text))
+
+    try:
+        conns.extend(_post(server, path, body, extra) for body in sent)
+        with ThreadPoolExecutor(len(sent)) as pool:
+            return list(pool.map(answer, range(len(sent))))
+    finally:
+        for conn in conns:
+            conn.close()

@@ -36,10 +36,13 @@ from vllm_journey_otel import schema as S
 
 pytestmark = [requires_vllm, pytest.mark.e2e]
 
-# Two clocks meet here: the API server's monotonic stamps (converted by the
-# exporter's anchor) and vLLM's wall-clock ones; their readings agree to a few
-# microseconds on one host.
-CLOCKS_NS = 200_000
+# Two clocks meet here: the API server's monotonic stamps (converted by its
+# exporter's anchor), the engine core's (by another exporter's) and vLLM's
+# wall-clock ones. They agree to a few microseconds on a quiet host, but the
+# wall clock slews against the monotonic one in episodes, which a conversion
+# follows only between its readings (1.1 ms off seen in clean-clone runs:
+# test_e2e_pd.py). Every comparison across two of them allows this much.
+CLOCKS_NS = 2_000_000
 ERROR = 2  # OTLP status code
 
 
@@ -120,8 +123,9 @@ def check_api_tree(tree: Node, client_span: int | None, stream: bool) -> None:
     engine_firsts = []
     for engine in engines:
         check_invariants(engine)  # INTERNAL under the API span
-        assert tree.start <= engine.start and engine.end <= tree.end
-        assert inp.start <= engine.start <= inp.end  # vLLM's arrival stamp
+        assert tree.start <= engine.start + CLOCKS_NS and engine.end <= tree.end + CLOCKS_NS
+        # vLLM's arrival stamp
+        assert inp.start <= engine.start + CLOCKS_NS and engine.start <= inp.end + CLOCKS_NS
         assert engine.end <= out.start + CLOCKS_NS  # freed before its last output came back
         engine_firsts.append(engine.start + float(engine.attrs[S.TTFT_MS]) * 1e6)  # type: ignore[arg-type]
     # The server's first token is never before the engine's first (n>1: the
@@ -157,7 +161,9 @@ def check_against_vllm(receiver: Receiver, tree: Node) -> None:
         ttfts.append(float(span.attributes["gen_ai.latency.time_to_first_token"]) * 1e3)  # type: ignore[arg-type]
         assert read_ms + e2e_ms <= float(tree.attrs[S.API_E2E_MS]) + CLOCKS_NS / 1e6  # type: ignore[arg-type]
     ours = float(tree.attrs[S.API_TTFT_MS])  # type: ignore[arg-type]
-    assert ours == pytest.approx(read_ms + min(ttfts), abs=CLOCKS_NS / 1e6)
+    # Both TTFTs end at vLLM's stamp, and the read starts where ours does, so
+    # the conversion's error cancels: exactly, up to rounding.
+    assert ours == pytest.approx(read_ms + min(ttfts), abs=0.2)
 
 
 def _completion(server: VllmServer, stream: bool, n: int = 1) -> tuple[int, int]:
@@ -214,24 +220,37 @@ def test_a_prompt_too_long_is_an_error_span_without_engine(server, module_receiv
 def test_a_client_that_goes_away_is_marked_and_its_journey_aborted(server, module_receiver) -> None:  # type: ignore[no-untyped-def]
     import httpx
 
-    tp, trace_id, _ = new_traceparent()
-    body = {"model": server.model, "prompt": "go away", "max_tokens": 1500, "stream": True,
-            "ignore_eos": True}  # fmt: skip
-    with (
-        httpx.Client(timeout=60) as http,
-        http.stream(
-            "POST", server.url + "/v1/completions", json=body, headers={"traceparent": tp}
-        ) as resp,
-    ):
-        lines = resp.iter_lines()
-        got = [next(lines) for _ in range(6)]
-    assert any(line.startswith("data:") for line in got)
-    tree = api_tree(module_receiver, trace_id)
-    (engine,) = tree.kids(S.SPAN_REQUEST)
-    # (What both spans said, should the flag ever be missing.)
-    assert tree.attrs[S.API_DISCONNECTED] is True, (tree.attrs, engine.attrs)
-    assert engine.attrs[S.FINISH_STATUS] == S.FINISH_ABORTED
-    assert not tree.kids(S.SPAN_API_OUTPUT)  # the engine's last output never came
+    # The engine can race to max_tokens before the API server notices the
+    # client gone (test_e2e_serve.py's disconnect test: seen in CI on a loaded
+    # machine): such an attempt must be a consistent finished request, and one
+    # of five must show the client gone.
+    seen = []
+    for _attempt in range(5):
+        tp, trace_id, _ = new_traceparent()
+        body = {"model": server.model, "prompt": "go away", "max_tokens": 1500, "stream": True,
+                "ignore_eos": True}  # fmt: skip
+        with (
+            httpx.Client(timeout=60) as http,
+            http.stream(
+                "POST", server.url + "/v1/completions", json=body, headers={"traceparent": tp}
+            ) as resp,
+        ):
+            lines = resp.iter_lines()
+            got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data:") for line in got)
+        tree = api_tree(module_receiver, trace_id)
+        (engine,) = tree.kids(S.SPAN_REQUEST)
+        seen.append((tree.attrs.get(S.API_DISCONNECTED), engine.attrs[S.FINISH_STATUS]))
+        if engine.attrs[S.FINISH_STATUS] == S.FINISH_LENGTH:
+            assert engine.attrs[S.GEN_AI_OUTPUT_TOKENS] == 1500, seen
+            continue
+        # (What both spans said, should the flag ever be missing.)
+        assert tree.attrs[S.API_DISCONNECTED] is True, (tree.attrs, engine.attrs)
+        assert engine.attrs[S.FINISH_STATUS] == S.FINISH_ABORTED
+        assert not tree.kids(S.SPAN_API_OUTPUT)  # the engine's last output never came
+        break
+    else:
+        raise AssertionError(f"no attempt saw the client go away: {seen}")
 
 
 def test_a_long_request_is_seen_in_flight(server, module_receiver) -> None:  # type: ignore[no-untyped-def]
@@ -423,7 +442,7 @@ def test_a_stop_string_is_answered_by_the_api_server_then_aborted_in_the_engine(
     check_invariants(engine)
     assert engine.attrs[S.FINISH_STATUS] == S.FINISH_ABORTED
     assert int(engine.attrs[S.GEN_AI_OUTPUT_TOKENS]) >= resp.usage.completion_tokens  # type: ignore[call-overload]
-    assert tree.start <= engine.start and engine.end <= tree.end + 2 * 10**9
+    assert tree.start <= engine.start + CLOCKS_NS and engine.end <= tree.end + 2 * 10**9
 
 
 # ---------------------------------------------------------------------------
@@ -476,10 +495,10 @@ def test_with_vllm_tracing_and_truth_check(server, module_receiver) -> None:  # 
         for name, (ours, vllm_value) in pairs.items():
             diffs[name].append(abs(ours - vllm_value))
     report = {
-        name: (round(_percentile(d, 0.5), 3), round(_percentile(d, 0.99), 3))
+        name: (round(_percentile(d, 0.5), 3), round(_percentile(d, 0.9), 3), round(max(d), 3))
         for name, d in diffs.items()
     }
-    print(f"\ntruth check |ours - vLLM| ms (p50, p99) over {len(traces)} requests: {report}")
+    print(f"\ntruth check |ours - vLLM| ms (p50, p90, max) over {len(traces)} requests: {report}")
     out = os.environ.get("VJO_TRUTH_REPORT")
     if out:
         Path(out).write_text(repr(report) + "\n")
@@ -487,12 +506,17 @@ def test_with_vllm_tracing_and_truth_check(server, module_receiver) -> None:  # 
     # median). A pair of stamps can straddle a hand-off of the GIL to another
     # thread of the engine core (vLLM's output and input threads, ours), which on
     # a saturated CPU waits one switch interval (sys.getswitchinterval(), 5 ms)
-    # or more: the tail is bounded by two of those.
+    # or more: the tail (p90) is bounded by two of those. The worst of 40 can
+    # also take a preemption of the engine core by the kernel on a loaded
+    # machine: bounded loosely, as what would show a wrong stamp (a step's
+    # worth of time or more).
     tail_ms = 2 * sys.getswitchinterval() * 1e3 + 1.0
     for name in ("queued", "prefill", "decode"):
-        assert report[name][0] < 1.0 and report[name][1] < tail_ms, (name, report)
+        p50, p90, worst = report[name]
+        assert p50 < 1.0 and p90 < tail_ms and worst < 100.0, (name, report)
     # TTFT crosses processes: vLLM's ends when its output processor in the API
     # server saw the first output, ours at the engine's step; the gap is that
     # hand-off, which waits for the API server's event loop (40 requests at once
     # on two CPUs: up to ~25 ms seen here), not a disagreement of clocks.
-    assert report["ttft"][0] < 10.0 and report["ttft"][1] < 50.0, report
+    p50, p90, worst = report["ttft"]
+    assert p50 < 10.0 and p90 < 50.0 and worst < 250.0, report

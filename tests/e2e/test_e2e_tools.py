@@ -12,13 +12,11 @@ beyond the noise of two runs, which the gate is tested on both ways.
 
 from __future__ import annotations
 
-import http.client
 import itertools
 import json
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -27,7 +25,7 @@ import pytest
 from conftest import requires_vllm
 from otlp_receiver import wire_spans
 from services import VllmServer, metric_value, wait_until
-from serving import new_server, ready
+from serving import new_server, post_together, ready
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.tools import explain as X
 from vllm_journey_otel.tools import journey_files as J
@@ -66,50 +64,17 @@ class Run(NamedTuple):
 REPEATS = 12
 
 
-def _post(server: Any, body: bytes) -> http.client.HTTPConnection:
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
-    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-    return conn
-
-
 def _burst(server: Any, k: int) -> tuple[int, int]:
-    """Burst k: its requests sent back to back by one thread, then answered.
-
-    Sent by one thread, a burst reaches the server within milliseconds; from a
-    thread per request it need not: a client's threads can sit off the CPU
-    beside a busy server (see ``services.Process``), and a burst spread over
-    seconds hardly queues. A request whose connection the server dropped
-    before answering (http.client's RemoteDisconnected: the API server never
-    saw it) is sent once more: a retry that doubled a request would fail the
-    journey counts below."""
+    """Burst k: its requests sent back to back by one thread, then answered
+    (``serving.post_together``: a burst from a thread per request can spread
+    over seconds beside a busy server, and then hardly queues)."""
     # Burst k's own prompts: a rerun finds nothing of the run before in the prefix cache.
     bodies = [
-        json.dumps({
-            "model": server.model, "prompt": f"burst {k} {i} " * REPEATS,
-            "max_tokens": TOKENS, "ignore_eos": True,
-        }).encode()
+        {"model": server.model, "prompt": f"burst {k} {i} " * REPEATS, "max_tokens": TOKENS,
+         "ignore_eos": True}
         for i in range(BURST)
     ]  # fmt: skip
-    conns: list[http.client.HTTPConnection] = []
-
-    def usage(i: int) -> dict[str, int]:
-        try:
-            r = conns[i].getresponse()
-        except http.client.RemoteDisconnected:
-            conns[i].close()
-            conns[i] = _post(server, bodies[i])
-            r = conns[i].getresponse()
-        text = r.read()
-        assert r.status == 200, (r.status, text[:500])
-        return dict(json.loads(text)["usage"])
-
-    try:
-        conns.extend(_post(server, body) for body in bodies)
-        with ThreadPoolExecutor(BURST) as pool:
-            usages = list(pool.map(usage, range(BURST)))
-    finally:
-        for conn in conns:
-            conn.close()
+    usages = [answer["usage"] for answer in post_together(server, bodies)]
     return sum(u["prompt_tokens"] for u in usages), sum(u["completion_tokens"] for u in usages)
 
 
