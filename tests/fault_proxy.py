@@ -14,11 +14,13 @@ Modes (switch at any time with :meth:`FaultProxy.set_mode`):
 Leaving ``forward`` closes the connections in progress, as an outage would.
 
 The port is the proxy's for its whole life, ``down`` included: a socket bound
-to it that never listens keeps it out of every other bind and out of the
-kernel's choice of ephemeral ports (so neither another test's server nor one
-of the exporter's own connection attempts, connecting to itself, can take it)
-while a connection to it is still refused. The listener shares the port with
-that reservation through SO_REUSEPORT (Linux).
+to it that never listens keeps it out of the kernel's choice of ports
+(``bind`` to port 0, a connection's source port: so neither a server that
+asks for any port nor one of the exporter's own connection attempts,
+connecting to itself, can take it) and out of any bind without SO_REUSEADDR
+(``services.free_port``'s probe), while a connection to it is still refused.
+The listener binds beside it with SO_REUSEADDR, which Linux allows next to a
+socket that does not listen.
 """
 
 from __future__ import annotations
@@ -47,7 +49,6 @@ class FaultProxy:
     def _bound(port: int) -> socket.socket:
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(("127.0.0.1", port))
         return sock
 

@@ -29,6 +29,9 @@ ROTEL = next(iter(BACKEND_VENV.glob("lib/python*/site-packages/rotel/rotel-agent
 
 
 _HANDED_OUT: set[int] = set()
+# Not the shared `random`: tests (and vLLM in-process) seed it, and two
+# processes seeded alike would try the same ports in the same order.
+_PORT_ORDER = random.SystemRandom()
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -48,7 +51,7 @@ def free_port() -> int:
     low, _ = _ephemeral_range()
     first = 15000 if low > 20000 else 1024
     candidates = list(range(first, low))
-    random.shuffle(candidates)
+    _PORT_ORDER.shuffle(candidates)
     for port in candidates:
         if port in _HANDED_OUT:
             continue

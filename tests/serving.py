@@ -144,7 +144,11 @@ def _post(
     server: VllmServer, path: str, body: bytes, headers: Mapping[str, str]
 ) -> http.client.HTTPConnection:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
-    conn.request("POST", path, body, {"Content-Type": "application/json", **headers})
+    try:
+        conn.request("POST", path, body, {"Content-Type": "application/json", **headers})
+    except BaseException:
+        conn.close()
+        raise
     return conn
 
 
@@ -180,7 +184,7 @@ def post_together(
 
     try:
         conns.extend(_post(server, path, body, extra) for body in sent)
-        with ThreadPoolExecutor(len(sent)) as pool:
+        with ThreadPoolExecutor(max(1, len(sent))) as pool:
             return list(pool.map(answer, range(len(sent))))
     finally:
         for conn in conns:

@@ -162,7 +162,7 @@ def check_against_vllm(receiver: Receiver, tree: Node) -> None:
         assert read_ms + e2e_ms <= float(tree.attrs[S.API_E2E_MS]) + CLOCKS_NS / 1e6  # type: ignore[arg-type]
     ours = float(tree.attrs[S.API_TTFT_MS])  # type: ignore[arg-type]
     # Both TTFTs end at vLLM's stamp, and the read starts where ours does, so
-    # the conversion's error cancels: exactly, up to rounding.
+    # the conversion's error cancels: equal to well within 0.2 ms.
     assert ours == pytest.approx(read_ms + min(ttfts), abs=0.2)
 
 
@@ -240,6 +240,7 @@ def test_a_client_that_goes_away_is_marked_and_its_journey_aborted(server, modul
         assert any(line.startswith("data:") for line in got)
         tree = api_tree(module_receiver, trace_id)
         (engine,) = tree.kids(S.SPAN_REQUEST)
+        check_invariants(engine)
         seen.append((tree.attrs.get(S.API_DISCONNECTED), engine.attrs[S.FINISH_STATUS]))
         if engine.attrs[S.FINISH_STATUS] == S.FINISH_LENGTH:
             assert engine.attrs[S.GEN_AI_OUTPUT_TOKENS] == 1500, seen
@@ -502,21 +503,24 @@ def test_with_vllm_tracing_and_truth_check(server, module_receiver) -> None:  # 
     out = os.environ.get("VJO_TRUTH_REPORT")
     if out:
         Path(out).write_text(repr(report) + "\n")
+
     # Same events, stamped a fraction of a millisecond apart in the engine (the
     # median). A pair of stamps can straddle a hand-off of the GIL to another
     # thread of the engine core (vLLM's output and input threads, ours), which on
     # a saturated CPU waits one switch interval (sys.getswitchinterval(), 5 ms)
-    # or more: the tail (p90) is bounded by two of those. The worst of 40 can
-    # also take a preemption of the engine core by the kernel on a loaded
-    # machine: bounded loosely, as what would show a wrong stamp (a step's
-    # worth of time or more).
-    tail_ms = 2 * sys.getswitchinterval() * 1e3 + 1.0
+    # or more: all but two of the 40 are bounded by two of those. The other two
+    # may also take a preemption of the engine core by the kernel on a loaded
+    # machine: bounded loosely, as what would show a wrong stamp.
+    def checked(name: str, median_ms: float, tail_ms: float, worst_ms: float) -> None:
+        over = sum(d >= tail_ms for d in diffs[name])
+        assert report[name][0] < median_ms and over <= 2 and report[name][2] < worst_ms, (
+            name, report,
+        )  # fmt: skip
+
     for name in ("queued", "prefill", "decode"):
-        p50, p90, worst = report[name]
-        assert p50 < 1.0 and p90 < tail_ms and worst < 100.0, (name, report)
+        checked(name, 1.0, 2 * sys.getswitchinterval() * 1e3 + 1.0, 100.0)
     # TTFT crosses processes: vLLM's ends when its output processor in the API
     # server saw the first output, ours at the engine's step; the gap is that
     # hand-off, which waits for the API server's event loop (40 requests at once
     # on two CPUs: up to ~25 ms seen here), not a disagreement of clocks.
-    p50, p90, worst = report["ttft"]
-    assert p50 < 10.0 and p90 < 50.0 and worst < 250.0, report
+    checked("ttft", 10.0, 50.0, 250.0)

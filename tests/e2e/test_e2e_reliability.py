@@ -255,14 +255,22 @@ def _tree(server: VllmServer) -> list[int]:
     return [root.pid, *(p.pid for p in root.children(recursive=True))]
 
 
-def test_backend_faults_never_reach_serving(served) -> None:  # type: ignore[no-untyped-def]
-    # The plugin-off server's outputs to match and ports to compare.
-    reference, proxy = served["reference"], served["proxy"]
-    server, receiver = served["faults"]
-    try:
-        expected = {"tokens": _token_ids(reference), "listening": _listening(_tree(reference))}
-    finally:
-        reference.stop()
+def _our_deadlines(server: VllmServer) -> int:
+    """Our exporters' lines that report an export that ran out of time (vLLM's
+    own tracer logs to the same file, without our prefix)."""
+    return sum(
+        1
+        for line in server.log_path.read_text(errors="replace").splitlines()
+        if line.startswith("(journey-otel exporter") and "fails (" in line
+        and "DEADLINE_EXCEEDED" in line
+    )  # fmt: skip
+
+
+def _fault_phases(
+    server: VllmServer, receiver: Receiver, proxy: FaultProxy
+) -> dict[str, list[list[int]]]:
+    """The workload in each phase of the backend's troubles, in order; each
+    phase's token ids. The proxy is down when this starts."""
     outputs: dict[str, list[list[int]]] = {}
     phase_traces: dict[str, int] = {}
 
@@ -275,39 +283,49 @@ def test_backend_faults_never_reach_serving(served) -> None:  # type: ignore[no-
     def arrived(name: str, timeout: float = 30) -> None:
         journeys_in_trace(receiver, phase_traces[name], count=len(PROMPTS), timeout=timeout)
 
+    phase("down")
+    proxy.set_mode(FORWARD)
+    phase("recovered")
+    arrived("recovered")
+
+    # Slow: answers after 0.5 s, well inside the 3 s timeout (the exporters
+    # run at SCHED_IDLE: on a loaded machine an answer can reach them late).
+    receiver.delay_s = 0.5
+    phase("slow")
+    arrived("slow")
+    receiver.delay_s = 0.0
+
+    port = receiver.grpc_port
+    receiver.stop_grpc()  # the backend restarts
+    phase("restarting")
+    time.sleep(4)  # past the exporter's 3 s timeout: those exports fail
+    receiver.start_grpc(port)
+    phase("restarted")
+    arrived("restarted")
+
+    before = _our_deadlines(server)
+    proxy.set_mode(BLACKHOLE)  # connections hang, nothing ever answers
+    phase("blackhole")
+    # Until an export into the hole has run out of time (3 s), however late it started.
+    wait_until(
+        lambda: _our_deadlines(server) > before, 60, 0.2, "an export into the hole to time out"
+    )
+    proxy.set_mode(FORWARD)
+    phase("after")
+    arrived("after")
+    return outputs
+
+
+def test_backend_faults_never_reach_serving(served) -> None:  # type: ignore[no-untyped-def]
+    # The plugin-off server's outputs to match and ports to compare.
+    reference, proxy = served["reference"], served["proxy"]
+    server, receiver = served["faults"]
     try:
-        phase("down")
-        proxy.set_mode(FORWARD)
-        phase("recovered")
-        arrived("recovered")
-
-        # Slow: answers after 0.5 s, well inside the 3 s timeout (the exporters
-        # run at SCHED_IDLE: on a loaded machine an answer can reach them late).
-        receiver.delay_s = 0.5
-        phase("slow")
-        arrived("slow")
-        receiver.delay_s = 0.0
-
-        port = receiver.grpc_port
-        receiver.stop_grpc()  # the backend restarts
-        phase("restarting")
-        time.sleep(4)  # past the exporter's 3 s timeout: those exports fail
-        receiver.start_grpc(port)
-        phase("restarted")
-        arrived("restarted")
-
-        def deadlines() -> int:
-            return server.log_path.read_text(errors="replace").count("DEADLINE_EXCEEDED")
-
-        before = deadlines()
-        proxy.set_mode(BLACKHOLE)  # connections hang, nothing ever answers
-        phase("blackhole")
-        # Until an export into the hole has run out of time (3 s), however late it started.
-        wait_until(lambda: deadlines() > before, 60, 0.2, "an export into the hole to time out")
-        proxy.set_mode(FORWARD)
-        phase("after")
-        arrived("after")
-
+        expected = {"tokens": _token_ids(reference), "listening": _listening(_tree(reference))}
+    finally:
+        reference.stop()
+    try:
+        outputs = _fault_phases(server, receiver, proxy)
         # Bad input, on the recovered backend.
         bad = send_bad_input(server, receiver)
         # Nothing of ours listens: the exporter has no listening socket, and the

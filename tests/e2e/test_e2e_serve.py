@@ -350,7 +350,8 @@ def test_forced_preemption_then_sigterm_loses_nothing(  # type: ignore[no-untype
         server.stop()
     # The batch delay runs from the oldest span waiting: none had left by then.
     assert before == 0, f"precondition: journeys still queued at the SIGTERM ({before} left)"
-    roots = journeys_in_trace(module_receiver, trace_id, count=33, timeout=60)
+    # Well inside the 30 s batch delay: only the shutdown's flush can have sent them.
+    roots = journeys_in_trace(module_receiver, trace_id, count=33, timeout=20)
     assert sum(r["usage"]["completion_tokens"] for r in results) == 32 * 256
     short = [r for r in roots if r.attrs[S.GEN_AI_MAX_TOKENS] == 256]
     assert len(short) == 32
