@@ -19,7 +19,12 @@ from vllm_journey_otel import config as C
 from vllm_journey_otel.cpu_yield import lower_priority
 from vllm_journey_otel.engine.pipe_sink import PipeSink
 from vllm_journey_otel.engine.pipeline import JourneyPipeline
-from vllm_journey_otel.export.cpu_placement import bound_cpus, choose_cpus, format_cpus
+from vllm_journey_otel.export.cpu_placement import (
+    bound_cpus,
+    choose_cpus,
+    format_cpus,
+    usable_cpus,
+)
 
 ALLOWED = os.sched_getaffinity(0)
 needs_two_cpus = pytest.mark.skipif(
@@ -106,7 +111,7 @@ def test_drain_thread_runs_at_nice_19() -> None:
         (C.CPUS_AUTO, {0}, {1, 2, 3}, "CPUs 1-3, off 0 where vLLM's threads are bound"),
         (C.CPUS_AUTO, set(), None, "every CPU it may use, 0-3 (vLLM binds no thread)"),
         (C.CPUS_AUTO, {0, 1, 2, 3}, None, "every CPU it may use, 0-3: vLLM's threads are bound"),
-        (C.CPUS_ALL, {0}, None, "every CPU it may use, 0-3 (VLLM_JOURNEY_OTEL_EXPORTER_CPUS=all)"),
+        (C.CPUS_ALL, {0}, None, "its CPUs as inherited (VLLM_JOURNEY_OTEL_EXPORTER_CPUS=all)"),
         ((2, 3, 9), {0}, {2, 3}, "CPUs 2-3 (VLLM_JOURNEY_OTEL_EXPORTER_CPUS)"),
         ((8, 9), {0}, None, "none of VLLM_JOURNEY_OTEL_EXPORTER_CPUS=8-9 is allowed"),
     ],
@@ -219,6 +224,52 @@ def test_exporter_process_idles_off_the_bound_cpus(bound_child, monkeypatch, cap
         wait_exited([sink.pid], 30)
     line = f"CPU priority SCHED_IDLE; CPUs {format_cpus(rest)}, off {max(ALLOWED)} where"
     assert line in capfd.readouterr().err
+
+
+@needs_two_cpus
+def test_exporter_of_a_pinned_vllm_leaves_its_cpu(monkeypatch, capfd) -> None:  # type: ignore[no-untyped-def]
+    """vLLM started under ``taskset -c N``: each of its threads, and each process
+    it starts (the exporter too), inherits that one CPU. The exporter still
+    finds the CPUs its cpuset gives it, whichever cgroup version the host has,
+    and leaves vLLM's (here the test process's main thread stands for vLLM,
+    pinned while the exporter starts and places itself)."""
+    _exporter_defaults(monkeypatch)
+    pinned = max(ALLOWED)
+    rest = frozenset(usable_cpus() - {pinned})  # the whole cpuset but that CPU
+    os.sched_setaffinity(0, {pinned})
+    sink = None
+    try:
+        sink = PipeSink.start({"service.name": "pinned"})
+        assert sink.pid is not None
+        pid = sink.pid
+        wanted = {(os.SCHED_IDLE, rest)}
+        wait_until(lambda: _exporter_placement(pid) == wanted, 30, 0.05, "placement")
+    finally:
+        os.sched_setaffinity(0, ALLOWED)
+        if sink is not None:
+            sink.shutdown(5)
+            if sink.pid is not None:
+                wait_exited([sink.pid], 30)
+    line = f"CPUs {format_cpus(rest)}, off {pinned} where vLLM's threads are bound"
+    assert line in capfd.readouterr().err
+
+
+@needs_two_cpus
+def test_usable_cpus_are_the_cpusets_not_the_inherited_affinity() -> None:
+    """Asked from a thread pinned to one CPU: every CPU the process may be
+    given, and the thread's own affinity put back."""
+    out: list[object] = []
+
+    def body() -> None:
+        os.sched_setaffinity(0, {max(ALLOWED)})
+        out.extend([usable_cpus(), os.sched_getaffinity(0)])
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    usable, restored = out
+    assert isinstance(usable, set) and usable >= ALLOWED  # this process's own, at least
+    assert restored == {max(ALLOWED)}
 
 
 @needs_two_cpus

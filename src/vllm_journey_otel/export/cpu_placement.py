@@ -70,19 +70,32 @@ def _is_vllm(pid: int) -> bool:
         return False
 
 
-def usable_cpus() -> set[int]:
-    """The CPUs this process's cgroup lets it use (cgroup v2
-    ``cpuset.cpus.effective``), else its own affinity: what it inherited may
-    be narrower, if the thread that started it was pinned."""
+def _possible_cpus() -> Iterable[int]:
+    """Every CPU id the kernel knows (``/sys/devices/system/cpu/possible``)."""
     try:
-        with open("/proc/self/cgroup") as f:
-            path = next(line.split("::", 1)[1].strip() for line in f if line.startswith("0::"))
-        with open(f"/sys/fs/cgroup{path}/cpuset.cpus.effective") as f:
+        with open("/sys/devices/system/cpu/possible") as f:
             cpus = parse_cpu_list(f.read().strip())
-    except (OSError, StopIteration, IndexError):
+    except OSError:
         cpus = None
-    own = set(os.sched_getaffinity(0))
-    return set(cpus) if cpus else own
+    return cpus or range(os.cpu_count() or 1)
+
+
+def usable_cpus() -> set[int]:
+    """The CPUs this process may be given, which what it inherited may not be:
+    a vLLM started under ``taskset`` or ``numactl`` hands its narrower affinity
+    to every child. Asked of the kernel itself: ``sched_setaffinity`` to every
+    CPU keeps those of the process's cpuset (cgroup v1 or v2, a container's or
+    the host's) and drops the rest; the affinity is put back at once. Main
+    thread, before any other thread starts (it sets the calling thread's only)."""
+    own = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, _possible_cpus())
+        usable = os.sched_getaffinity(0)
+    except OSError:  # refused outright (a seccomp filter): what it inherited
+        return set(own)
+    finally:
+        os.sched_setaffinity(0, own)
+    return set(usable) | set(own)
 
 
 def bound_cpus(roots: Sequence[int], allowed: set[int]) -> set[int]:
@@ -122,7 +135,7 @@ def choose_cpus(
 ) -> tuple[set[int] | None, str]:
     """The exporter's CPUs (None: leave them as inherited) and why, for the log."""
     if setting == CPUS_ALL:
-        return None, f"every CPU it may use, {format_cpus(allowed)} ({EXPORTER_CPUS}={CPUS_ALL})"
+        return None, f"its CPUs as inherited ({EXPORTER_CPUS}={CPUS_ALL})"
     if isinstance(setting, tuple):
         wanted = set(setting) & allowed
         if not wanted:
