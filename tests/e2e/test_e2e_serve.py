@@ -9,13 +9,17 @@ scheduler-level tests drive AsyncScheduler and the V2 resume path instead.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
+import os
 import random
 import signal
 import threading
 import time
 from collections.abc import Iterator
 
+import psutil
 import pytest
 
 from conftest import requires_vllm
@@ -34,6 +38,7 @@ from serving import (
 )
 from trees import check_invariants, expected_shape
 from vllm_journey_otel import schema as S
+from vllm_journey_otel.export.cpu_placement import format_cpus
 
 pytestmark = [requires_vllm, pytest.mark.e2e]
 
@@ -249,6 +254,73 @@ def test_too_long_prompt_is_rejected_without_a_journey(server, module_receiver) 
     for s in spans:
         if s.name == S.SPAN_API:
             assert s.attributes[S.HTTP_STATUS] == 400 and s.attributes[S.ERROR_TYPE] == "400"
+
+
+# ---------------------------------------------------------------------------
+# Where the exporters run
+# ---------------------------------------------------------------------------
+def _exporters_of(owners: set[int]) -> dict[int, int]:
+    """Our exporter processes whose records come from one of ``owners``, and
+    that owner (detached: not in the server's process tree; the resource in
+    its argv names its owner)."""
+    found = {}
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info.get("cmdline") or []
+        # cmd[1:3], not anywhere: the short-lived launcher's argv holds the same words.
+        if cmd[1:3] == ["-m", "vllm_journey_otel.export.exporter_process"] and len(cmd) > 3:
+            owner = json.loads(cmd[3]).get(S.RES_PID)
+            if owner in owners:
+                found[p.pid] = owner
+    return found
+
+
+def _thread_cpus(pid: int) -> dict[int, frozenset[int]]:
+    """Each thread's CPUs (threads that end while read are left out)."""
+    cpus = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            cpus[int(tid)] = frozenset(os.sched_getaffinity(int(tid)))
+    return cpus
+
+
+def test_exporters_run_off_the_cpus_vllm_binds(server) -> None:  # type: ignore[no-untyped-def]
+    """Every thread of the server's exporters runs off the CPUs that vLLM's
+    threads are bound to (its CPU backend binds the model worker's OpenMP
+    threads), on every other CPU, and the log says so; where vLLM's threads
+    are bound to every CPU, on the CPUs of the owner that started it."""
+    root = psutil.Process(server.pid)
+    tree = {server.pid, *(child.pid for child in root.children(recursive=True))}
+    # The server inherited this process's CPUs: what the exporters may use too.
+    allowed = frozenset(os.sched_getaffinity(0))
+    bound: set[int] = set()
+    for pid in tree:
+        with contextlib.suppress(FileNotFoundError):
+            bound.update(*(c for c in _thread_cpus(pid).values() if c != allowed))
+    # vLLM's CPU backend binds the threads of a worker process of its own (the
+    # three-process layout); a worker in the API server's process binds none.
+    assert bool(bound) == (server.layout == "3proc"), bound
+    exporters = _exporters_of(tree)
+    assert len(exporters) == (2 if server.api_spans else 1), exporters  # engine core, API server
+    rest = allowed - bound if bound else allowed
+
+    def expected(exporter: int) -> frozenset[int]:
+        return rest or _thread_cpus(exporters[exporter])[exporters[exporter]]
+
+    def placed() -> bool:  # the exporter places itself at start and re-checks after 5 s
+        return all(set(_thread_cpus(pid).values()) == {expected(pid)} for pid in exporters)
+
+    wait_until(placed, 40, 0.5, f"every exporter thread off CPUs {sorted(bound)}")
+    # Its placement at start ("CPU priority ...; CPUs ..."), then any move ("now on ...").
+    said = ("journey-otel exporter: CPU priority", "journey-otel exporter: now on")
+    lines = [line for line in server.tail(100_000).splitlines() if any(w in line for w in said)]
+    for pid in exporters:
+        where = f"CPUs {format_cpus(rest)}, off {format_cpus(bound)} where vLLM's threads are bound"
+        if not bound:
+            where = f"every CPU it may use, {format_cpus(allowed)} (vLLM binds no thread)"
+        elif not rest:
+            where = f"its CPUs as inherited, {format_cpus(expected(pid))}: vLLM's threads are bound"
+        mine = [line for line in lines if line.startswith(f"(journey-otel exporter pid={pid})")]
+        assert mine and where in mine[-1], (where, lines)
 
 
 # ---------------------------------------------------------------------------

@@ -109,15 +109,15 @@ def test_drain_thread_runs_at_nice_19() -> None:
     ("setting", "bound", "cpus", "why"),
     [
         (C.CPUS_AUTO, {0}, {1, 2, 3}, "CPUs 1-3, off 0 where vLLM's threads are bound"),
-        (C.CPUS_AUTO, set(), None, "every CPU it may use, 0-3 (vLLM binds no thread)"),
-        (C.CPUS_AUTO, {0, 1, 2, 3}, None, "every CPU it may use, 0-3: vLLM's threads are bound"),
-        (C.CPUS_ALL, {0}, None, "its CPUs as inherited (VLLM_JOURNEY_OTEL_EXPORTER_CPUS=all)"),
+        (C.CPUS_AUTO, set(), {0, 1, 2, 3}, "every CPU it may use, 0-3 (vLLM binds no thread)"),
+        (C.CPUS_AUTO, {0, 1, 2, 3}, None, "its CPUs as inherited, 2: vLLM's threads are bound to"),
+        (C.CPUS_ALL, {0}, None, "its CPUs as inherited, 2 (VLLM_JOURNEY_OTEL_EXPORTER_CPUS=all)"),
         ((2, 3, 9), {0}, {2, 3}, "CPUs 2-3 (VLLM_JOURNEY_OTEL_EXPORTER_CPUS)"),
-        ((8, 9), {0}, None, "none of VLLM_JOURNEY_OTEL_EXPORTER_CPUS=8-9 is allowed"),
+        ((8, 9), {0}, {0, 1, 2, 3}, "none of VLLM_JOURNEY_OTEL_EXPORTER_CPUS=8-9 is allowed"),
     ],
 )
 def test_choose_cpus(setting, bound, cpus, why) -> None:  # type: ignore[no-untyped-def]
-    got, text = choose_cpus(setting, {0, 1, 2, 3}, bound)
+    got, text = choose_cpus(setting, {0, 1, 2, 3}, bound, {2})
     assert got == cpus
     assert why in text
 
@@ -251,6 +251,45 @@ def test_exporter_of_a_pinned_vllm_leaves_its_cpu(monkeypatch, capfd) -> None:  
             if sink.pid is not None:
                 wait_exited([sink.pid], 30)
     line = f"CPUs {format_cpus(rest)}, off {pinned} where vLLM's threads are bound"
+    assert line in capfd.readouterr().err
+
+
+@needs_two_cpus
+def test_exporter_keeps_its_owners_cpus_where_vllm_binds_every_cpu(monkeypatch, capfd) -> None:  # type: ignore[no-untyped-def]
+    """vLLM under ``taskset`` with its worker's threads bound to every other
+    CPU (``vllm serve`` pinned to one CPU, its CPU worker to the rest): no CPU
+    is free of vLLM's threads, and the exporter stays on the CPU it inherited,
+    its owner's, off the CPUs where the worker's threads busy-wait."""
+    _exporter_defaults(monkeypatch)
+    owner_cpu = min(ALLOWED)
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", BOUND_CHILD, str(cpu), "thread"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for cpu in sorted(usable_cpus() - {owner_cpu})
+    ]
+    sink = None
+    try:
+        for child in children:
+            assert child.stdout is not None and child.stdout.readline().strip() == "bound"
+        os.sched_setaffinity(0, {owner_cpu})
+        sink = PipeSink.start({"service.name": "bound-everywhere"})
+        assert sink.pid is not None
+        pid = sink.pid
+        wanted = {(os.SCHED_IDLE, frozenset({owner_cpu}))}
+        wait_until(lambda: _exporter_placement(pid) == wanted, 30, 0.05, "placement")
+    finally:
+        os.sched_setaffinity(0, ALLOWED)
+        for child in children:
+            child.kill()
+            child.wait()
+        if sink is not None:
+            sink.shutdown(5)
+            if sink.pid is not None:
+                wait_exited([sink.pid], 30)
+    line = f"its CPUs as inherited, {owner_cpu}: vLLM's threads are bound to every CPU it may use"
     assert line in capfd.readouterr().err
 
 

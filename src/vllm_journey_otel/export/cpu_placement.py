@@ -12,7 +12,8 @@ gRPC's) inherits both the priority (``VLLM_JOURNEY_OTEL_CPU_PRIORITY``: Linux
 ``SCHED_IDLE``, else nice 19; ``cpu_yield.py``) and the CPUs
 (``VLLM_JOURNEY_OTEL_EXPORTER_CPUS``: by default every CPU it may use except
 those vLLM's threads are bound to, read from the affinity of the threads of the
-process trees the engine side named). A re-check thread follows bindings that
+process trees the engine side named; where they are bound to all of them, the
+CPUs it inherited from its owner). A re-check thread follows bindings that
 appear later (engine cores of other data-parallel ranks); its times are
 ``time.sleep`` seconds. What was applied, or refused, is said once in the log.
 """
@@ -131,25 +132,32 @@ def bound_cpus(roots: Sequence[int], allowed: set[int]) -> set[int]:
 
 
 def choose_cpus(
-    setting: str | tuple[int, ...], allowed: set[int], bound: set[int]
+    setting: str | tuple[int, ...], allowed: set[int], bound: set[int], inherited: set[int]
 ) -> tuple[set[int] | None, str]:
     """The exporter's CPUs (None: leave them as inherited) and why, for the log."""
     if setting == CPUS_ALL:
-        return None, f"its CPUs as inherited ({EXPORTER_CPUS}={CPUS_ALL})"
+        return None, f"its CPUs as inherited, {format_cpus(inherited)} ({EXPORTER_CPUS}={CPUS_ALL})"
     if isinstance(setting, tuple):
         wanted = set(setting) & allowed
         if not wanted:
-            return None, (
+            return set(allowed), (
                 f"every CPU it may use, {format_cpus(allowed)}: none of {EXPORTER_CPUS}="
                 f"{format_cpus(setting)} is allowed to this process"
             )
         return wanted, f"CPUs {format_cpus(wanted)} ({EXPORTER_CPUS})"
     if not bound:
-        return None, f"every CPU it may use, {format_cpus(allowed)} (vLLM binds no thread)"
+        return set(allowed), f"every CPU it may use, {format_cpus(allowed)} (vLLM binds no thread)"
     rest = allowed - bound
     if not rest:
+        # Every CPU carries a thread vLLM bound there. Spread over all of them,
+        # an exporter thread can wait behind a model worker's busy-waiting
+        # thread, where SCHED_IDLE gets next to nothing and its tiny weight
+        # gives the load balancer no reason to move it; the CPUs it inherited
+        # are its owner's (the engine core's or the API server's), whose idle
+        # moments it takes.
         return None, (
-            f"every CPU it may use, {format_cpus(allowed)}: vLLM's threads are bound to all of them"
+            f"its CPUs as inherited, {format_cpus(inherited)}: vLLM's threads are bound to "
+            f"every CPU it may use, {format_cpus(allowed)}"
         )
     return rest, (
         f"CPUs {format_cpus(rest)}, off {format_cpus(bound)} where vLLM's threads are bound"
@@ -173,17 +181,21 @@ class ExporterPlacement:
         self.priority = priority
         self.setting = cpus
         self.roots = list(roots)
-        self.chosen: set[int] | None = None
-        self.allowed: set[int] = usable_cpus() if hasattr(os, "sched_getaffinity") else set()
+        affinity = hasattr(os, "sched_getaffinity")
+        # What it was started with: the CPUs of its owner's thread that started it.
+        self.inherited: set[int] = set(os.sched_getaffinity(0)) if affinity else set()
+        self.allowed: set[int] = usable_cpus() if affinity else set()
+        self.current = self.inherited
 
     def _place(self) -> str:
         if not self.allowed:
             return "its CPUs unchanged (no CPU affinity on this platform)"
         bound = bound_cpus(self.roots, self.allowed) if self.setting == CPUS_AUTO else set()
-        cpus, why = choose_cpus(self.setting, self.allowed, bound)
-        if cpus != self.chosen:
-            pin_this_process(cpus if cpus is not None else self.allowed)
-            self.chosen = cpus
+        cpus, why = choose_cpus(self.setting, self.allowed, bound, self.inherited)
+        target = self.inherited if cpus is None else cpus
+        if target != self.current:
+            pin_this_process(target)
+            self.current = target
         return why
 
     def apply(self) -> str:
@@ -204,12 +216,12 @@ class ExporterPlacement:
         wait = next(waits)
         while True:
             time.sleep(wait)
-            before = self.chosen
+            before = self.current
             try:
                 why = self._place()
             except Exception:  # a /proc read that raced with a process's exit
                 logger.debug("journey-otel exporter: CPU re-check failed", exc_info=True)
                 continue
-            if self.chosen != before:
+            if self.current != before:
                 logger.info("journey-otel exporter: now on %s", why)
             wait = next(waits, wait)
