@@ -144,18 +144,23 @@ def span_starts_mono_ns(receiver: Receiver) -> dict[str, list[int]]:
     no more have come for 3 s (the exporters flush as the server stops)."""
     from vllm_journey_otel import schema as S
 
-    seen, quiet_since, deadline = -1, time.monotonic(), time.monotonic() + 60
-    while time.monotonic() - quiet_since < 3.0 and time.monotonic() < deadline:
-        count = len(receiver.spans())
-        if count != seen:
-            seen, quiet_since = count, time.monotonic()
-        time.sleep(0.5)
+    settled(receiver)
     offset = time.time_ns() - time.monotonic_ns()
     spans = receiver.spans()
     return {
         name: [s.span.start_time_unix_nano - offset for s in spans if s.name == name]
         for name in (S.SPAN_API, S.SPAN_REQUEST)
     }
+
+
+def settled(receiver: Receiver, quiet_s: float = 3.0, timeout_s: float = 120.0) -> None:
+    """Once no span has come to ``receiver`` for ``quiet_s`` (at most ``timeout_s``)."""
+    seen, quiet_since, deadline = -1, time.monotonic(), time.monotonic() + timeout_s
+    while time.monotonic() - quiet_since < quiet_s and time.monotonic() < deadline:
+        count = len(receiver.spans())
+        if count != seen:
+            seen, quiet_since = count, time.monotonic()
+        time.sleep(0.5)
 
 
 def switch(args: argparse.Namespace, pids: dict[str, Any], state: str) -> None:
@@ -266,6 +271,12 @@ def main() -> None:
             rows = windows(server, pids, args)
             wrk.send_signal(signal.SIGINT)  # wrk prints its summary on SIGINT
             summary = json.loads(wrk.communicate(timeout=60)[0].strip().splitlines()[-1])
+            # As in real use from here on: the plugin on (its shutdown path too),
+            # and what the exporters still hold of the last windows (at
+            # SCHED_IDLE on a saturated CPU they fall behind) delivered before
+            # the server stops: vLLM kills an engine core that lingers.
+            switch(args, pids, "on")
+            settled(receiver, quiet_s=5.0)
     except BaseException:
         receiver.stop()
         raise
