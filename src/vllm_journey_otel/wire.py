@@ -40,19 +40,30 @@ class Frame(msgspec.Struct, array_like=True):
 
 
 class Acks:
-    """How many records (journeys, snapshots, steps) sent to one exporter it has
-    accounted for: their spans exported, or counted lost in its own health
-    (failed to build, failed to export). Eight bytes of shared memory, a memfd
-    the engine core creates and passes to the exporter it starts; the exporter
-    writes it (``export/span_sink.py``), the engine core reads it when that
-    exporter dies: what it was sent minus this was lost with it, uncounted
-    anywhere else. A 64-bit aligned store: a reader never sees half of one."""
+    """Two counts shared by the engine core and one exporter it started, in
+    sixteen bytes of shared memory (a memfd the engine core creates and passes
+    to the exporter). 64-bit aligned stores: a reader never sees half of one.
+
+    * accounted: how many records (journeys, snapshots, steps) sent to the
+      exporter it has accounted for: their spans exported, or counted lost in
+      its own health (failed to build, failed to export). The exporter writes
+      it (``export/span_sink.py``), the engine core reads it when that exporter
+      dies: what it was sent minus this was lost with it, uncounted anywhere
+      else.
+    * held: how many finished journeys the owner (the engine core, an API
+      server) still holds, not yet written whole to any exporter, as of its
+      last hand-off (``engine/pipe_sink.py``; one exporter's counter carries
+      it). The exporter reads it at end-of-file: an owner killed with a backlog
+      (vLLM kills an engine core that does not exit at once) cannot say what
+      it lost, and this says it for it.
+    """
 
     _COUNT = struct.Struct("<Q")
+    _HELD_AT = _COUNT.size
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
-        self._map = mmap.mmap(fd, self._COUNT.size)
+        self._map = mmap.mmap(fd, 2 * self._COUNT.size)
 
     @classmethod
     def create(cls) -> Acks | None:
@@ -62,7 +73,7 @@ class Acks:
         # Close-on-exec: only the exporter it is passed to (pass_fds) gets it.
         fd = os.memfd_create("vllm-journey-otel-acks", os.MFD_CLOEXEC)
         try:
-            os.ftruncate(fd, cls._COUNT.size)
+            os.ftruncate(fd, 2 * cls._COUNT.size)
             return cls(fd)
         except OSError:
             os.close(fd)
@@ -73,6 +84,12 @@ class Acks:
 
     def write(self, count: int) -> None:
         self._COUNT.pack_into(self._map, 0, count)
+
+    def held(self) -> int:
+        return int(self._COUNT.unpack_from(self._map, self._HELD_AT)[0])
+
+    def write_held(self, count: int) -> None:
+        self._COUNT.pack_into(self._map, self._HELD_AT, count)
 
     def close(self) -> None:
         self._map.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 from collections.abc import Iterator
 
@@ -172,3 +173,69 @@ def test_what_a_killed_exporter_held_is_counted_on_later_roots(exporting, caplog
         "records lost in this process over its run: "
         "300 lost with an exporter process that died holding them" in caplog.text
     )
+
+
+# An owner that stands for the engine core: its exporter started, then (once the
+# test stopped that exporter) its journeys handed on until the pipe is full and
+# its queue holds the rest, and it waits to be killed.
+KILLED_OWNER = """
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+from records import journeys
+from vllm_journey_otel.engine.pipe_sink import PipeSink
+from vllm_journey_otel.engine.pipeline import JourneyPipeline
+
+sink = PipeSink.start({"service.name": "owner-killed", "process.pid": os.getpid()})
+pipeline = JourneyPipeline(sink, max_queue=1_000_000, start_thread=False)
+print(sink.pid, flush=True)
+sys.stdin.readline()  # its exporter is stopped now
+declined = 0
+for chunk in range(int(sys.argv[2])):
+    for j in journeys(100, start=chunk * 100):
+        pipeline.submit(j)
+    pipeline.publish_due(time.monotonic_ns(), force=True)
+    declined += pipeline.queued > 0
+print(declined, pipeline.queued, flush=True)
+time.sleep(600)
+"""
+
+
+def test_an_owner_killed_with_a_backlog_is_accounted_for(exporting, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """vLLM SIGKILLs an engine core that does not exit at once; one whose
+    exporter fell behind dies holding finished journeys, with no time for a
+    word. Its exporter says how many (wire.Acks' second count): what it
+    received plus what it reports lost is every journey the owner finished."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    chunks = 300  # 30,000 journeys: several times what the pipe holds
+    log = tmp_path / "owner.log"
+    tests_dir = str(Path(__file__).resolve().parents[1])
+    with log.open("w") as err:
+        owner = subprocess.Popen(
+            [sys.executable, "-c", KILLED_OWNER, tests_dir, str(chunks)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+        )  # fmt: skip
+    assert owner.stdin is not None and owner.stdout is not None
+    exporter = int(owner.stdout.readline())
+    os.kill(exporter, signal.SIGSTOP)  # behind: it reads nothing while the owner hands on
+    try:
+        owner.stdin.write("go\n")
+        owner.stdin.flush()
+        declined, queued = (int(x) for x in owner.stdout.readline().split())
+        assert declined > 0 and queued > 0, "the pipe filled and the owner kept the rest"
+        owner.kill()  # as vLLM kills an engine core that lingers
+        owner.wait()
+    finally:
+        os.kill(exporter, signal.SIGCONT)
+    wait_exited([exporter], 60)
+    text = log.read_text()
+    received = re.search(r"exporter: (\d+) journeys received", text)
+    held = re.search(r"its owner \(pid (\d+)\) ended holding (\d+) finished journeys", text)
+    assert received and held, text
+    assert int(held[1]) == owner.pid
+    # The queue, and the journeys of a frame it had only begun to write.
+    assert int(held[2]) >= queued
+    assert int(received[1]) + int(held[2]) == chunks * 100
+    assert "WARNING journey-otel exporter: " in text

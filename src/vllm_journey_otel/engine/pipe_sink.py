@@ -111,6 +111,10 @@ class PipeSink:
         # its replacement says how many were dropped while none ran).
         self._down_from = 0
         self._closing = False
+        # The owner's queue as it last said (note_held), and what was last written
+        # to which exporter's counter.
+        self._held_queue = 0
+        self._held_noted = (-1, 0)
 
     @property
     def exporters(self) -> int:
@@ -344,6 +348,25 @@ class PipeSink:
         finally:
             self._lock.release()
 
+    def note_held(self, queued: int) -> None:
+        """The owner still holds ``queued`` finished journeys in its queue (and
+        those of a partial frame): stored in the first exporter's shared counter,
+        which that exporter reads if its pipe ends (wire.Acks), so a kill that
+        leaves no time for a word of ours is still accounted for. Owner or drain
+        thread, after a hand-off; one aligned store, only when the figure or the
+        exporter changed."""
+        self._held_queue = queued
+        held = queued + self._pending_journeys
+        try:
+            fd = self._fds[0]
+            if (fd, held) != self._held_noted:
+                counter = self._acks.get(fd)
+                if counter is not None:
+                    counter.write_held(held)
+                self._held_noted = (fd, held)
+        except (IndexError, ValueError):  # none left, or its counter closed meanwhile
+            pass
+
     def _write_frame(
         self, data: bytes, journeys: int, fd: int = -1, deadline: float | None = None
     ) -> bool:
@@ -447,6 +470,7 @@ class PipeSink:
         self._closing = True  # no replacement from now on
         deadline = time.monotonic() + max(0.0, timeout_s)
         self.flush(timeout_s)
+        self.note_held(self._held_queue)  # the partial frame may have gone out
         # Not under a writer's feet: a descriptor closed (and its number reused)
         # while another thread writes to it would send bytes elsewhere. If the
         # lock cannot be had in time, the descriptors close with the process.

@@ -82,6 +82,10 @@ class Sink(Protocol):
     def maintain(self) -> None:
         """Drain thread, every wake-up: notice and replace what went away."""
 
+    def note_held(self, queued: int) -> None:
+        """After a hand-off: ``queued`` finished journeys still wait in the
+        pipeline, for whoever would report them if this process died now."""
+
     def flush(self, timeout_s: float) -> bool:
         """Push everything out within ``timeout_s``; True when done."""
 
@@ -228,6 +232,7 @@ class JourneyPipeline:
             if not self._declined:  # once per episode: each set() is a lock round
                 self._declined = True
                 self._wake.set()
+        self.sink.note_held(len(queue))
 
     # -- drain thread ------------------------------------------------------
     def _run(self) -> None:
@@ -351,6 +356,7 @@ class JourneyPipeline:
                     self.losses.lose(Loss.WRITE_FAILED, batch)  # counted, never silent
                     raise
                 self.exported += n - lost
+                self.sink.note_held(len(queue))
             self._report_drops()
         finally:
             self._drain_lock.release()

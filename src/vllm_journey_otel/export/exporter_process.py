@@ -44,6 +44,7 @@ from vllm_journey_otel.export.health import ExportHealth, SdkLogQuieter
 from vllm_journey_otel.export.span_sink import SpanSink
 from vllm_journey_otel.log import logger
 from vllm_journey_otel.losses import Loss
+from vllm_journey_otel.schema import RES_PID
 from vllm_journey_otel.wire import READ_PACE_S, Acks, FrameReader
 
 # The exporter is not bound by vLLM's kill deadline; give the final export time.
@@ -139,10 +140,20 @@ def main(argv: list[str]) -> int:
     except Exception:
         logger.warning("journey-otel exporter: bad input, stopping", exc_info=True)
     finally:
+        # End-of-file (not a stop request): what the owner still held then is lost.
+        held = sink.acks.held() if sink.acks is not None and not _stopping() else 0
+        if held:
+            logger.warning(
+                "journey-otel exporter: its owner%s ended holding %d finished "
+                "journeys it had not handed on: lost with it (killed before it could: an "
+                "owner hands journeys on within 50 ms, later while its exporters fall behind)",
+                f" (pid {attributes[RES_PID]})" if RES_PID in attributes else "",
+                held,
+            )
         sink.shutdown(max(config.shutdown_timeout_s, MIN_FINAL_FLUSH_S))
         health.settle()
         unbuilt = sink.losses.describe()  # journeys this process could not build spans for
-        lost = health.lost_spans + health.engine_dropped + sink.losses[Loss.UNBUILT]
+        lost = health.lost_spans + health.engine_dropped + sink.losses[Loss.UNBUILT] + held
         # One line for the operator: what this run delivered and what it lost.
         level = logging.WARNING if lost else logging.INFO if health.journeys else logging.DEBUG
         logger.log(

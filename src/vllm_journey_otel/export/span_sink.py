@@ -128,6 +128,9 @@ class SpanSink:
     takes_offers = False
     replacing = False  # nothing to replace: spans are built in this process
 
+    def note_held(self, queued: int) -> None:
+        """Nothing to tell: the queue and the spans die with this one process."""
+
     @property
     def drop_advice(self) -> str:
         return (
