@@ -38,7 +38,7 @@ from serving import (
 )
 from trees import check_invariants, expected_shape
 from vllm_journey_otel import schema as S
-from vllm_journey_otel.export.cpu_placement import format_cpus
+from vllm_journey_otel.export.cpu_placement import format_cpus, usable_cpus
 
 pytestmark = [requires_vllm, pytest.mark.e2e]
 
@@ -290,8 +290,7 @@ def test_exporters_run_off_the_cpus_vllm_binds(server) -> None:  # type: ignore[
     are bound to every CPU, on the CPUs of the owner that started it."""
     root = psutil.Process(server.pid)
     tree = {server.pid, *(child.pid for child in root.children(recursive=True))}
-    # The server inherited this process's CPUs: what the exporters may use too.
-    allowed = frozenset(os.sched_getaffinity(0))
+    allowed = frozenset(usable_cpus())  # what the exporters may use (and this process)
     bound: set[int] = set()
     for pid in tree:
         with contextlib.suppress(FileNotFoundError):

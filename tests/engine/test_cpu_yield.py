@@ -148,11 +148,14 @@ def test_bad_cpu_settings_warn_and_use_the_defaults(caplog) -> None:  # type: ig
 
 BOUND_CHILD = """
 import os, sys, threading, time
-cpu = int(sys.argv[1])
+cpus = [int(cpu) for cpu in sys.argv[1].split(",")]
 if sys.argv[2] == "process":
-    os.sched_setaffinity(0, {cpu})
-else:  # one thread bound, as OpenMP binds its threads
-    threading.Thread(target=lambda: (os.sched_setaffinity(0, {cpu}), time.sleep(600))).start()
+    os.sched_setaffinity(0, set(cpus))
+else:  # one thread bound to each, as OpenMP binds its threads
+    for cpu in cpus:
+        threading.Thread(
+            target=lambda c=cpu: (os.sched_setaffinity(0, {c}), time.sleep(600)), daemon=True
+        ).start()
 print("bound", flush=True)
 time.sleep(600)
 """
@@ -262,18 +265,13 @@ def test_exporter_keeps_its_owners_cpus_where_vllm_binds_every_cpu(monkeypatch, 
     its owner's, off the CPUs where the worker's threads busy-wait."""
     _exporter_defaults(monkeypatch)
     owner_cpu = min(ALLOWED)
-    children = [
-        subprocess.Popen(
-            [sys.executable, "-c", BOUND_CHILD, str(cpu), "thread"],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for cpu in sorted(usable_cpus() - {owner_cpu})
-    ]
+    others = ",".join(str(cpu) for cpu in sorted(usable_cpus() - {owner_cpu}))
+    child = subprocess.Popen(
+        [sys.executable, "-c", BOUND_CHILD, others, "thread"], stdout=subprocess.PIPE, text=True
+    )
     sink = None
     try:
-        for child in children:
-            assert child.stdout is not None and child.stdout.readline().strip() == "bound"
+        assert child.stdout is not None and child.stdout.readline().strip() == "bound"
         os.sched_setaffinity(0, {owner_cpu})
         sink = PipeSink.start({"service.name": "bound-everywhere"})
         assert sink.pid is not None
@@ -282,9 +280,8 @@ def test_exporter_keeps_its_owners_cpus_where_vllm_binds_every_cpu(monkeypatch, 
         wait_until(lambda: _exporter_placement(pid) == wanted, 30, 0.05, "placement")
     finally:
         os.sched_setaffinity(0, ALLOWED)
-        for child in children:
-            child.kill()
-            child.wait()
+        child.kill()
+        child.wait()
         if sink is not None:
             sink.shutdown(5)
             if sink.pid is not None:

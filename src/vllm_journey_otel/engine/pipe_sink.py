@@ -114,7 +114,13 @@ class PipeSink:
         # The owner's queue as it last said (note_held), and what was last written
         # to which exporter's counter.
         self._held_queue = 0
-        self._held_noted = (-1, 0)
+        self._held_noted: tuple[Acks | None, int] = (None, 0)
+        # The journeys of a partial frame while its rest is written (_lock).
+        self._writing_journeys = 0
+        # Held only for a store of the held count, a change of what it adds up
+        # (the partial frame's journeys), or closing a counter: never across a
+        # write, so the owner's thread can always store.
+        self._held_lock = threading.Lock()
 
     @property
     def exporters(self) -> int:
@@ -228,7 +234,8 @@ class PipeSink:
         not accounted for, counted as lost with it (the next frames carry it);
         None where it had no counter."""
         sent = self._records_sent.pop(fd, 0)
-        acks = self._acks.pop(fd, None)
+        with self._held_lock:  # not while the held count is stored in it
+            acks = self._acks.pop(fd, None)
         if acks is None:
             return None
         held = max(0, sent - acks.read())
@@ -349,23 +356,28 @@ class PipeSink:
             self._lock.release()
 
     def note_held(self, queued: int) -> None:
-        """The owner still holds ``queued`` finished journeys in its queue (and
-        those of a partial frame): stored in the first exporter's shared counter,
-        which that exporter reads if its pipe ends (wire.Acks), so a kill that
-        leaves no time for a word of ours is still accounted for. Owner or drain
-        thread, after a hand-off; one aligned store, only when the figure or the
-        exporter changed."""
+        """The owner still holds ``queued`` finished journeys (its queue, and
+        batches taken from it and not yet handed on): with those of a frame not
+        yet written whole, stored in the first exporter's shared counter, which
+        that exporter reads if its pipe ends (wire.Acks), so a kill that leaves
+        no time for a word of ours is still accounted for. Owner or drain
+        thread, after moving journeys; waits only for another store or a
+        counter's closing (``_held_lock``), never for a write."""
         self._held_queue = queued
-        held = queued + self._pending_journeys
-        try:
-            fd = self._fds[0]
-            if (fd, held) != self._held_noted:
-                counter = self._acks.get(fd)
-                if counter is not None:
-                    counter.write_held(held)
-                self._held_noted = (fd, held)
-        except (IndexError, ValueError):  # none left, or its counter closed meanwhile
-            pass
+        self._store_held()
+
+    def _store_held(self) -> None:
+        """One aligned store, only when the figure or the exporter's counter
+        changed (a replacement may reuse a pipe's number)."""
+        with self._held_lock:
+            try:
+                counter = self._acks.get(self._fds[0])
+            except IndexError:  # no exporter left
+                return
+            held = self._held_queue + self._pending_journeys + self._writing_journeys
+            if counter is not None and (counter, held) != self._held_noted:
+                counter.write_held(held)
+                self._held_noted = (counter, held)
 
     def _write_frame(
         self, data: bytes, journeys: int, fd: int = -1, deadline: float | None = None
@@ -414,6 +426,22 @@ class PipeSink:
         self._pending, self._pending_journeys, self._pending_fd = b"", 0, -1
         return pending
 
+    def _resume_pending(self, deadline: float | None) -> bool:
+        """Under ``_lock``: write the rest of the partial frame (False: still
+        pending at ``deadline``; :class:`FrameLost`, counted, when its exporter
+        is gone). Its journeys count as held while they are written."""
+        with self._held_lock:
+            self._writing_journeys = self._pending_journeys
+            data, journeys, fd = self._take_pending()
+        try:
+            return self._write_frame(data, journeys, fd, deadline)
+        except FrameLost:
+            self.losses.add(Loss.EXPORTER_DIED, journeys)
+            raise
+        finally:
+            with self._held_lock:  # after any partial rest went back to _pending
+                self._writing_journeys = 0
+
     def consume(
         self, batch: Sequence[Record], engine_dropped: int = 0, deadline: float | None = None
     ) -> int:
@@ -421,11 +449,9 @@ class PipeSink:
             return self.losses.lose(Loss.NO_EXPORTER, batch)
         with self._lock:
             if self._pending:
-                data, journeys, fd = self._take_pending()
                 try:
-                    done = self._write_frame(data, journeys, fd, deadline)
+                    done = self._resume_pending(deadline)
                 except FrameLost:
-                    self.losses.add(Loss.EXPORTER_DIED, journeys)
                     done = True
                 if not done:
                     # Still pending at the deadline (the engine thread's offer
@@ -456,13 +482,12 @@ class PipeSink:
             return False
         try:
             if self._pending:
-                data, journeys, fd = self._take_pending()
                 try:
-                    return self._write_frame(data, journeys, fd, deadline)
+                    return self._resume_pending(deadline)
                 except FrameLost:
-                    self.losses.add(Loss.EXPORTER_DIED, journeys)
                     return False
         finally:
+            self._store_held()
             self._lock.release()
         return True
 
@@ -470,7 +495,6 @@ class PipeSink:
         self._closing = True  # no replacement from now on
         deadline = time.monotonic() + max(0.0, timeout_s)
         self.flush(timeout_s)
-        self.note_held(self._held_queue)  # the partial frame may have gone out
         # Not under a writer's feet: a descriptor closed (and its number reused)
         # while another thread writes to it would send bytes elsewhere. If the
         # lock cannot be had in time, the descriptors close with the process.
@@ -481,7 +505,8 @@ class PipeSink:
             for fd in self._fds:  # EOF: each exporter exports what it has and exits
                 with contextlib.suppress(OSError):
                     os.close(fd)
-                acks = self._acks.pop(fd, None)
+                with self._held_lock:  # not while the held count is stored in it
+                    acks = self._acks.pop(fd, None)
                 if acks is not None:
                     acks.close()
             self._fds = []

@@ -175,6 +175,10 @@ class JourneyPipeline:
         self._last_drop_log = -_DROP_LOG_PERIOD_S  # the first drop is reported at once
         # Drain thread: sources of records it hands on itself (in-flight snapshots).
         self._watchers: list[Callable[[int, int], Sequence[Record]]] = []
+        # Journeys the drain thread, and the owner, have taken from the queue
+        # and not yet handed on or put back: still held (_note_held).
+        self._in_hand = 0
+        self._owner_in_hand = 0
         self._thread: threading.Thread | None = None
         if start_thread:
             self._thread = threading.Thread(target=self._run, name="vllm-journey-otel", daemon=True)
@@ -215,11 +219,13 @@ class JourneyPipeline:
         self._last_publish_ns = now_ns
         self.due_ns = now_ns + PUBLISH_INTERVAL_NS
         batch: list[Record] = []
+        self._owner_in_hand = len(queue)  # before they leave the queue
         try:
             while True:
                 batch.append(queue.popleft())
         except IndexError:
             pass  # empty (the drain thread may have taken some: fine, each goes once)
+        self._owner_in_hand = len(batch)
         if not batch:
             return
         if self.sink.offer(batch, self.losses.carried):
@@ -232,7 +238,18 @@ class JourneyPipeline:
             if not self._declined:  # once per episode: each set() is a lock round
                 self._declined = True
                 self._wake.set()
-        self.sink.note_held(len(queue))
+        self._owner_in_hand = 0  # after they are back in the queue, or the sink's
+        self._note_held()
+
+    def _note_held(self) -> None:
+        """Owner or drain thread, after moving journeys: what is still held, for
+        the sink to keep where its exporter can read it (``Sink.note_held``).
+        The queue is read before the batches the two threads have taken out of
+        it, and each thread sets its batch's count before it takes the batch
+        and clears it after putting it back or handing it on: a batch in
+        motion is counted once or, for a moment, twice; never missed."""
+        queued = len(self._queue)
+        self.sink.note_held(queued + self._in_hand + self._owner_in_hand)
 
     # -- drain thread ------------------------------------------------------
     def _run(self) -> None:
@@ -341,6 +358,7 @@ class JourneyPipeline:
                 self._declined = False
             queue = self._queue
             batch: list[Record] = []
+            self._in_hand = len(queue)  # before they leave the queue
             try:
                 # The owner's publish_due may pop some meanwhile: each journey
                 # goes once, by whichever thread popped it.
@@ -348,7 +366,7 @@ class JourneyPipeline:
                     batch.append(queue.popleft())
             except IndexError:
                 pass
-            n = len(batch)
+            n = self._in_hand = len(batch)
             if n or self.sink.pending:
                 try:
                     lost = self.sink.consume(batch, self.losses.carried, deadline)
@@ -356,9 +374,10 @@ class JourneyPipeline:
                     self.losses.lose(Loss.WRITE_FAILED, batch)  # counted, never silent
                     raise
                 self.exported += n - lost
-                self.sink.note_held(len(queue))
             self._report_drops()
         finally:
+            self._in_hand = 0
+            self._note_held()  # after any write, or none
             self._drain_lock.release()
         return n
 

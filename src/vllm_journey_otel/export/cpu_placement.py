@@ -13,7 +13,7 @@ gRPC's) inherits both the priority (``VLLM_JOURNEY_OTEL_CPU_PRIORITY``: Linux
 (``VLLM_JOURNEY_OTEL_EXPORTER_CPUS``: by default every CPU it may use except
 those vLLM's threads are bound to, read from the affinity of the threads of the
 process trees the engine side named; where they are bound to all of them, the
-CPUs it inherited from its owner). A re-check thread follows bindings that
+CPUs it inherited from the thread that started it). A re-check thread follows bindings that
 appear later (engine cores of other data-parallel ranks); its times are
 ``time.sleep`` seconds. What was applied, or refused, is said once in the log.
 """
@@ -153,8 +153,8 @@ def choose_cpus(
         # an exporter thread can wait behind a model worker's busy-waiting
         # thread, where SCHED_IDLE gets next to nothing and its tiny weight
         # gives the load balancer no reason to move it; the CPUs it inherited
-        # are its owner's (the engine core's or the API server's), whose idle
-        # moments it takes.
+        # are those of a thread of its owner (the engine core or the API
+        # server), whose idle moments it takes.
         return None, (
             f"its CPUs as inherited, {format_cpus(inherited)}: vLLM's threads are bound to "
             f"every CPU it may use, {format_cpus(allowed)}"
@@ -182,7 +182,8 @@ class ExporterPlacement:
         self.setting = cpus
         self.roots = list(roots)
         affinity = hasattr(os, "sched_getaffinity")
-        # What it was started with: the CPUs of its owner's thread that started it.
+        # What it was started with: the CPUs of the thread that started it (the
+        # owner's main thread, or its drain thread for a replacement).
         self.inherited: set[int] = set(os.sched_getaffinity(0)) if affinity else set()
         self.allowed: set[int] = usable_cpus() if affinity else set()
         self.current = self.inherited

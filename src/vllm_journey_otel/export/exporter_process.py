@@ -134,14 +134,17 @@ def main(argv: list[str]) -> int:
     sink.acks = _acks(argv)
     tune_gc()
     reader = FrameReader()
+    end_of_file = False
     try:
         for frame in reader.frames(sys.stdin.buffer, READ_PACE_S, stop=_stopping):
             sink.consume(frame.journeys, frame.engine_dropped)
+        end_of_file = not _stopping()
     except Exception:
         logger.warning("journey-otel exporter: bad input, stopping", exc_info=True)
     finally:
-        # End-of-file (not a stop request): what the owner still held then is lost.
-        held = sink.acks.held() if sink.acks is not None and not _stopping() else 0
+        # The owner is gone (not a stop request, nor bad input while it lives on
+        # and hands its queue to a replacement): what it still held is lost.
+        held = sink.acks.held() if sink.acks is not None and end_of_file else 0
         if held:
             logger.warning(
                 "journey-otel exporter: its owner%s ended holding %d finished "
