@@ -199,7 +199,9 @@ if sys.argv[3] == "drained":
     sys.stdin.readline()  # its exporter runs again
     # Every journey handed on, written whole, and accounted for by the exporter.
     total = int(sys.argv[2]) * 100
-    while pipeline.published + pipeline.exported < total or sink.records_in_flight or sink.pending:
+    held = sink._acks[sink._fds[0]]  # the count its exporter reads (wire.Acks)
+    while (pipeline.published + pipeline.exported < total or sink.records_in_flight
+           or sink.pending or held.held()):
         time.sleep(0.01)
     print("drained", flush=True)
 time.sleep(600)

@@ -228,6 +228,7 @@ class PipeSink:
             "(counted in the next journeys' dropped_journeys)",
             then,
         )
+        self._store_held()  # the next one may be the first now: its counter starts at 0
 
     def _undelivered(self, fd: int) -> int | None:
         """What the exporter behind ``fd`` (gone) had been sent in whole frames and
@@ -291,6 +292,7 @@ class PipeSink:
                 self.pids.append(pid)
             self.broken = False
             self.restarts.did_start(now, more_wanted=len(self._fds) < self.wanted)
+            self._store_held()  # it may be the first now: its counter starts at 0
         logger.warning(
             "journey-otel: exporter process %s started in place of a lost one%s",
             pid if pid is not None else "?",
@@ -363,13 +365,15 @@ class PipeSink:
         no time for a word of ours is still accounted for. Owner or drain
         thread, after moving journeys; waits only for another store or a
         counter's closing (``_held_lock``), never for a write."""
-        self._held_queue = queued
-        self._store_held()
+        self._store_held(queued)
 
-    def _store_held(self) -> None:
+    def _store_held(self, queued: int | None = None) -> None:
         """One aligned store, only when the figure or the exporter's counter
-        changed (a replacement may reuse a pipe's number)."""
+        changed (a replacement may reuse a pipe's number); ``queued`` None:
+        the owner's last figure, with this sink's own now."""
         with self._held_lock:
+            if queued is not None:
+                self._held_queue = queued
             try:
                 counter = self._acks.get(self._fds[0])
             except IndexError:  # no exporter left

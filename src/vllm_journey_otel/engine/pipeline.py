@@ -179,6 +179,7 @@ class JourneyPipeline:
         # and not yet handed on or put back: still held (_note_held).
         self._in_hand = 0
         self._owner_in_hand = 0
+        self._held_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         if start_thread:
             self._thread = threading.Thread(target=self._run, name="vllm-journey-otel", daemon=True)
@@ -221,35 +222,39 @@ class JourneyPipeline:
         batch: list[Record] = []
         self._owner_in_hand = len(queue)  # before they leave the queue
         try:
-            while True:
-                batch.append(queue.popleft())
-        except IndexError:
-            pass  # empty (the drain thread may have taken some: fine, each goes once)
-        self._owner_in_hand = len(batch)
-        if not batch:
-            return
-        if self.sink.offer(batch, self.losses.carried):
-            self.published += len(batch)
-            self._declined = False
-            if self.sink.pending:  # the rest of the frame is the drain thread's
-                self._wake.set()
-        else:
-            queue.extendleft(reversed(batch))
-            if not self._declined:  # once per episode: each set() is a lock round
-                self._declined = True
-                self._wake.set()
-        self._owner_in_hand = 0  # after they are back in the queue, or the sink's
+            try:
+                while True:
+                    batch.append(queue.popleft())
+            except IndexError:
+                pass  # empty (the drain thread may have taken some: each goes once)
+            self._owner_in_hand = len(batch)
+            if not batch:
+                return
+            if self.sink.offer(batch, self.losses.carried):
+                self.published += len(batch)
+                self._declined = False
+                if self.sink.pending:  # the rest of the frame is the drain thread's
+                    self._wake.set()
+            else:
+                with self._held_lock:  # back in the queue and out of hand at once
+                    queue.extendleft(reversed(batch))
+                    self._owner_in_hand = 0
+                if not self._declined:  # once per episode: each set() is a lock round
+                    self._declined = True
+                    self._wake.set()
+        finally:
+            self._owner_in_hand = 0  # the sink's now, or back in the queue
         self._note_held()
 
     def _note_held(self) -> None:
         """Owner or drain thread, after moving journeys: what is still held, for
         the sink to keep where its exporter can read it (``Sink.note_held``).
-        The queue is read before the batches the two threads have taken out of
-        it, and each thread sets its batch's count before it takes the batch
-        and clears it after putting it back or handing it on: a batch in
-        motion is counted once or, for a moment, twice; never missed."""
-        queued = len(self._queue)
-        self.sink.note_held(queued + self._in_hand + self._owner_in_hand)
+        Each thread counts a batch before it takes it from the queue and
+        forgets it only once it is back (under ``_held_lock``, as this sum is
+        taken and stored) or the sink's: a batch in motion is counted once or,
+        until the next store, twice; never missed."""
+        with self._held_lock:
+            self.sink.note_held(len(self._queue) + self._in_hand + self._owner_in_hand)
 
     # -- drain thread ------------------------------------------------------
     def _run(self) -> None:
