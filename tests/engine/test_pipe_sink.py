@@ -873,3 +873,42 @@ def read_all_now(fd: int) -> list:  # type: ignore[type-arg]
         while chunk := os.read(fd, 1 << 20):
             data += chunk
     return list(read_frames(io.BytesIO(data)))
+
+
+def test_a_backlog_is_said_before_the_queue_fills(pipes, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+    """An exporter that reads nothing: the journeys wait in the pipeline and in a
+    frame the drain thread cannot finish. Once they pass a quarter of the
+    queue's bound, the drain thread says so, once (then at most once a
+    minute), with what to change, and nothing has been dropped yet."""
+    import logging
+
+    from vllm_journey_otel.engine.pipeline import BEHIND_SHARE, JourneyPipeline
+
+    _, w = pipes[0]
+    fcntl.fcntl(w, F_SETPIPE_SZ, 4096)
+    sink = PipeSink(w)
+    pipeline = JourneyPipeline(sink, max_queue=400, interval_s=0.01)
+    caplog.set_level(logging.WARNING, logger="vllm.journey_otel")
+
+    def said() -> list[str]:
+        return [m.getMessage() for m in caplog.records if "wait in this process" in m.getMessage()]
+
+    try:
+        for j in journeys(int(400 * BEHIND_SHARE) - 1):
+            pipeline.submit(j)
+        pipeline.publish_due(time.monotonic_ns(), force=True)
+        wait_until(lambda: sink.pending or None, 10, 0.01, "the pipe full, a frame unfinished")
+        pipeline._report_backlog()  # below the share: silent (as the drain thread's tries)
+        assert said() == []
+        for j in journeys(60, start=1000):
+            pipeline.submit(j)
+        wait_until(lambda: said() or None, 10, 0.01, "the drain thread to say the backlog")
+        pipeline._report_backlog()  # within the minute: not again
+        messages = said()
+        assert len(messages) == 1, messages
+        assert "past 400 the queue drops them" in messages[0]
+        assert "VLLM_JOURNEY_OTEL_EXPORTER_PROCESSES" in messages[0]
+        assert int(messages[0].split("journey-otel: ")[1].split()[0]) >= 400 * BEHIND_SHARE
+        assert pipeline.losses[Loss.QUEUE_FULL] == 0
+    finally:
+        pipeline.shutdown(0.1)

@@ -111,15 +111,12 @@ class PipeSink:
         # its replacement says how many were dropped while none ran).
         self._down_from = 0
         self._closing = False
-        # The owner's queue as it last said (note_held), and what was last written
-        # to which exporter's counter.
+        # The held count (note_held): the owner's last figure, what was stored
+        # in which counter, a partial frame's journeys while its rest is written;
+        # the lock of its stores and counters' closing, never held across a write.
         self._held_queue = 0
         self._held_noted: tuple[Acks | None, int] = (None, 0)
-        # The journeys of a partial frame while its rest is written (_lock).
         self._writing_journeys = 0
-        # Held only for a store of the held count, a change of what it adds up
-        # (the partial frame's journeys), or closing a counter: never across a
-        # write, so the owner's thread can always store.
         self._held_lock = threading.Lock()
 
     @property
@@ -313,6 +310,10 @@ class PipeSink:
         return bool(self._pending)
 
     @property
+    def unsent(self) -> int:
+        return self._pending_journeys + self._writing_journeys
+
+    @property
     def drop_advice(self) -> str:
         # Engine-side drops mean the pipes stayed full: the exporters are short
         # of CPU, or wait for a backend that answers slowly (they build spans
@@ -358,19 +359,15 @@ class PipeSink:
             self._lock.release()
 
     def note_held(self, queued: int) -> None:
-        """The owner still holds ``queued`` finished journeys (its queue, and
-        batches taken from it and not yet handed on): with those of a frame not
-        yet written whole, stored in the first exporter's shared counter, which
-        that exporter reads if its pipe ends (wire.Acks), so a kill that leaves
-        no time for a word of ours is still accounted for. Owner or drain
-        thread, after moving journeys; waits only for another store or a
-        counter's closing (``_held_lock``), never for a write."""
+        """The owner still holds ``queued`` finished journeys: with a frame not
+        yet written whole, stored in the first exporter's counter, read if its
+        pipe ends (wire.Acks): a kill leaves no time for a word of ours. Waits
+        only for another store or a counter's closing, never for a write."""
         self._store_held(queued)
 
     def _store_held(self, queued: int | None = None) -> None:
-        """One aligned store, only when the figure or the exporter's counter
-        changed (a replacement may reuse a pipe's number); ``queued`` None:
-        the owner's last figure, with this sink's own now."""
+        """One aligned store when the figure or the counter changed (a new pipe
+        may reuse a number); ``queued`` None: the owner's last figure."""
         with self._held_lock:
             if queued is not None:
                 self._held_queue = queued

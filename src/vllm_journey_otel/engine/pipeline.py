@@ -67,6 +67,10 @@ class Sink(Protocol):
         """Whether :meth:`offer` can ever take a batch (False: always queue)."""
 
     @property
+    def unsent(self) -> int:
+        """Journeys it has taken and not yet written whole (a partial frame)."""
+
+    @property
     def replacing(self) -> bool:
         """Whether :meth:`maintain` has a lost exporter to replace (it is then
         called every interval, so the replacement starts when its backoff says)."""
@@ -98,6 +102,10 @@ class Sink(Protocol):
 
 
 _DROP_LOG_PERIOD_S = 60.0
+# Journeys waiting (in the queue, or taken and not yet written whole) past
+# this share of the queue's bound mean the exporter is behind: said at most
+# once a _DROP_LOG_PERIOD_S, before the queue fills and drops.
+BEHIND_SHARE = 0.25
 # The drain thread writes for at most this long per wake-up (the rest of a frame
 # stays pending for the next one), so a flush or shutdown with a deadline never
 # waits longer than this for the sink.
@@ -173,6 +181,7 @@ class JourneyPipeline:
         self.exported = 0
         self._dropped_logged = 0
         self._last_drop_log = -_DROP_LOG_PERIOD_S  # the first drop is reported at once
+        self._last_behind_log = -_DROP_LOG_PERIOD_S
         # Drain thread: sources of records it hands on itself (in-flight snapshots).
         self._watchers: list[Callable[[int, int], Sequence[Record]]] = []
         # Journeys the drain thread, and the owner, have taken from the queue
@@ -284,6 +293,7 @@ class JourneyPipeline:
                 if self.engine_hands_on():
                     with self._drain_lock:
                         self._report_drops()
+                        self._report_backlog()
                     continue
                 self.drain(time.monotonic() + DRAIN_WRITE_S)
             except Exception:  # the backstop must outlive a bug of ours
@@ -383,6 +393,7 @@ class JourneyPipeline:
         finally:
             self._in_hand = 0
             self._note_held()  # after any write, or none
+            self._report_backlog()
             self._drain_lock.release()
         return n
 
@@ -398,6 +409,24 @@ class JourneyPipeline:
             )
             self._dropped_logged = dropped
             self._last_drop_log = now
+
+    def _report_backlog(self) -> None:
+        """Drain thread: journeys waiting for a hand-off past ``BEHIND_SHARE`` of
+        the queue's bound, said before the queue fills (spans arrive late)."""
+        waiting = len(self._queue) + self.sink.unsent
+        now = time.monotonic()
+        if (
+            waiting >= max(1, int(self._max_queue * BEHIND_SHARE))
+            and now - self._last_behind_log >= _DROP_LOG_PERIOD_S
+        ):
+            self._last_behind_log = now
+            logger.warning(
+                "journey-otel: %d finished journeys wait in this process to be handed "
+                "on (past %d the queue drops them): their spans arrive late; %s",
+                waiting,
+                self._max_queue,
+                self.sink.drop_advice,
+            )
 
     # -- any thread --------------------------------------------------------
     def flush(self, timeout_s: float) -> bool:

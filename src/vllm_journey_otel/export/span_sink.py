@@ -127,6 +127,7 @@ class SpanSink:
 
     takes_offers = False
     replacing = False  # nothing to replace: spans are built in this process
+    unsent = 0  # it writes nothing: a batch it takes is built and exported
 
     def note_held(self, queued: int) -> None:
         """Nothing to tell: the queue and the spans die with this one process."""
