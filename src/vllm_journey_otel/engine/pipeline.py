@@ -391,10 +391,12 @@ class JourneyPipeline:
                 self.exported += n - lost
             self._report_drops()
         finally:
-            self._in_hand = 0
-            self._note_held()  # after any write, or none
-            self._report_backlog()
-            self._drain_lock.release()
+            try:
+                self._in_hand = 0
+                self._note_held()  # after any write, or none
+                self._report_backlog()
+            finally:
+                self._drain_lock.release()
         return n
 
     def _report_drops(self) -> None:
