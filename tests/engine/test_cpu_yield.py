@@ -220,8 +220,12 @@ def test_exporter_process_idles_off_the_bound_cpus(bound_child, monkeypatch, cap
         rest = frozenset(ALLOWED - {max(ALLOWED)})
         # Every thread of the exporter (its SDK's too): SCHED_IDLE, off the bound CPU.
         wanted = {(os.SCHED_IDLE, rest)}
-        wait_until(lambda: _exporter_placement(sink.pid) == wanted, 30, 0.05, "placement")
-        assert len(psutil.Process(sink.pid).threads()) >= 2
+
+        def placed() -> bool:  # its threads started (the re-checks') and all placed
+            threads = len(psutil.Process(sink.pid).threads())
+            return threads >= 2 and _exporter_placement(sink.pid) == wanted
+
+        wait_until(placed, 30, 0.05, "placement")
     finally:
         sink.shutdown(5)
         wait_exited([sink.pid], 30)
