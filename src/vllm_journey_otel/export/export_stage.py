@@ -37,7 +37,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from vllm_journey_otel.config import Config
-from vllm_journey_otel.cpu_yield import lower_priority
+from vllm_journey_otel.cpu_yield import Pacer, lower_priority
 from vllm_journey_otel.export.health import ExportHealth
 from vllm_journey_otel.log import logger
 
@@ -80,6 +80,8 @@ class ExportStage:
         self._shares_gil = shares_gil  # thread mode: the engine core's GIL
         self._waiting = 0  # add() calls waiting for room: a batch is due at once
         self._dead = False  # the stage's thread ended: export inline from then on
+        # The stage's thread offers its CPU between two sends (cpu_yield.py).
+        self.pace = Pacer()
         self._thread: threading.Thread | None = None
         if threaded and self.exporters:
             self._thread = threading.Thread(
@@ -171,11 +173,13 @@ class ExportStage:
                         return
                     wait = self._oldest + self.delay_s - now if self._pending else None
                     self._cond.wait(wait)
+                    self.pace.restart()
                 batch = self._pending[: self.max_batch]
                 del self._pending[: self.max_batch]
                 if not self._pending:
                     self._oldest = time.monotonic()  # the next span starts a new delay
                 self._cond.notify_all()  # room for add()
+            self.pace()  # between two sends; a wait above restarts the interval
             self._export(batch)
             with self._cond:
                 self._done += len(batch)

@@ -29,6 +29,7 @@ from vllm_journey_otel.config import (
     endpoint_name,
     exporter_names,
 )
+from vllm_journey_otel.cpu_yield import Pacer
 from vllm_journey_otel.export.api_spans import plan_api
 from vllm_journey_otel.export.export_stage import ExportStage
 from vllm_journey_otel.export.exporters import (
@@ -77,6 +78,8 @@ class SpanSink:
         self._records_through = 0
         self._acks_lock = threading.Lock()
         stage.on_exported = self._through
+        # The building thread's offers of its CPU, once per YIELD_EVERY_NS of work.
+        self.pace = Pacer()
 
     @classmethod
     def from_env(
@@ -155,7 +158,10 @@ class SpanSink:
         health = self.health
         health.engine_dropped = max(health.engine_dropped, engine_dropped)
         built: list[Any] = []  # ReadableSpans, or their OTLP fields (self.encoder)
+        pace = self.pace
+        pace.restart()
         for journey in batch:
+            pace()  # a spinning thread of vLLM's on this CPU gets it back (cpu_yield.py)
             try:
                 spans = self._spans(journey)
             except Exception:
