@@ -341,6 +341,7 @@ def main() -> None:
                 time.sleep(0.005)
 
     t0 = time.perf_counter()
+    t0_mono_ns = time.monotonic_ns()
     for i, j in enumerate(batch):
         pipeline.submit(j)
         if i % step == step - 1:  # a scheduler step that finished `step` requests
@@ -353,6 +354,7 @@ def main() -> None:
                     threads.sample()
                 drain_cpu.sample()
     submit_s = time.perf_counter() - t0
+    t1_mono_ns = time.monotonic_ns()
     drain_cpu.sample()  # before shutdown ends the thread
     pipeline.shutdown(5)  # EOF: the exporter exports the rest and exits
 
@@ -382,6 +384,8 @@ def main() -> None:
                 "receiver": args.receiver,
                 "exporter_processes": args.exporters,
                 "submit_s": round(submit_s, 2),
+                # The submission's window on CLOCK_MONOTONIC (yield_handover.py).
+                "submit_mono_ns": [t0_mono_ns, t1_mono_ns],
                 "last_span_received_s": round(done_s, 2),
                 "journeys_per_s_end_to_end": round(n / done_s),
                 "spans_expected": expected_spans,
