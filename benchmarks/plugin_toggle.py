@@ -27,7 +27,10 @@ records not handed to the exporter: what the records, their hand-off and the
 API server's exporter cost), ``api-off`` (the API-server spans off),
 ``exp-stopped`` (the defaults, with every exporter process stopped, SIGSTOP,
 for the window and continued at the next one's start: the plugin's cost
-inside vLLM's processes without its exporters' CPU), ``off`` (tracing off in
+inside vLLM's processes without its exporters' CPU), ``unpaced`` (the
+defaults, with the exporters' threads not offering their CPU back between two
+units of work: what ``cpu_pacing.Pacer`` is worth), ``paced-200us`` (the
+same, offering it once per 200 µs of work), ``off`` (tracing off in
 both: every wrapper calls vLLM's own method at once) and ``off-2`` (off
 again: the A/A control); ``--states`` picks some of them. ``off`` is the
 plugin installed and switched off, not vLLM without it: one check per
@@ -77,7 +80,9 @@ from fixtures.tiny_model import build  # noqa: E402
 from otlp_receiver import Receiver  # noqa: E402
 from services import VllmServer  # noqa: E402
 
-STATES = ("on", "api-norecord", "api-off", "exp-stopped", "off", "off-2")
+STATES = (
+    "on", "api-norecord", "api-off", "exp-stopped", "unpaced", "paced-200us", "off", "off-2",
+)  # fmt: skip
 SETTLE_S = 0.4
 
 
@@ -172,6 +177,8 @@ def switch(args: argparse.Namespace, pids: dict[str, Any], state: str) -> None:
     # The exporters' own work out of the window: stopped at its start,
     # continued at the next one's (their backlog falls on that window).
     signal_all(pids["exporters"], signal.SIGSTOP if state == "exp-stopped" else signal.SIGCONT)
+    if {"unpaced", "paced-200us"} & set(args.states):  # the exporters' pacing (toggle_probe)
+        signal_all(pids["exporters"], signal.SIGUSR1)
 
 
 def add_server_session(p: argparse.ArgumentParser) -> None:

@@ -17,6 +17,11 @@ applies it to this process's plugin:
   stay, the records, their hand-off and the API server's exporter's work go;
 * ``exp-stopped``: as ``on`` here (the benchmark stops the exporter processes
   themselves for the window);
+* ``unpaced``: as ``on`` here; in the exporter processes (signalled too when
+  the run has this state) their threads stop offering their CPU back
+  (``cpu_pacing.Pacer`` does nothing), and every other state puts it back;
+* ``paced-<N>us`` (``paced-200us``): as ``unpaced``, with the exporters'
+  threads offering their CPU once per N µs of work instead of the default's;
 * ``off`` (and ``off-2``): tracing off, as after an internal error
   (``state._fail``): every wrapper calls vLLM's own method at once, and the
   engine's trackers drop what they held. What stays of the plugin: one check
@@ -35,6 +40,40 @@ import sys
 
 _STATE_FILE = os.environ.get("VJO_TOGGLE_PROBE")
 _PIPELINE: list = []  # api_server.pipeline, while another stands in for it
+_PACE: list = []  # cpu_pacing.Pacer.__call__, while a no-op stands in for it
+
+
+def _exporter_process() -> bool:
+    return bool(sys.argv) and sys.argv[0].endswith("exporter_process.py")
+
+
+def _paced_every(every_ns: int):
+    """Pacer.__call__ and Pacer.restart with another interval."""
+
+    def call(self) -> None:
+        if self._clock() >= self._due_mono_ns:
+            self._give()
+            self.yields += 1
+            self._due_mono_ns = self._clock() + every_ns
+
+    def restart(self) -> None:
+        self._due_mono_ns = self._clock() + every_ns
+
+    return call, restart
+
+
+def _pace_in_exporter(state: str) -> None:
+    from vllm_journey_otel.export.cpu_pacing import Pacer
+
+    if not _PACE:
+        _PACE.extend([Pacer.__call__, Pacer.restart])
+    call, restart = _PACE
+    if state == "unpaced":
+        call = lambda self: None  # noqa: E731
+    elif state.startswith("paced-") and state.endswith("us"):
+        call, restart = _paced_every(int(state[len("paced-") : -len("us")]) * 1000)
+    Pacer.__call__, Pacer.restart = call, restart
+
 
 if _STATE_FILE:
 
@@ -43,6 +82,9 @@ if _STATE_FILE:
 
         with open(_STATE_FILE) as f:
             state = f.read().strip()
+        if _exporter_process():
+            _pace_in_exporter(state)
+            return
         # Loaded in the API server only (the engine core has no middleware).
         api_server = sys.modules.get("vllm_journey_otel.engine.api_server")
         if api_server is not None and _PIPELINE:
@@ -55,7 +97,9 @@ if _STATE_FILE:
             for tracker in list(_STATE.trackers):
                 tracker.drop_state()
             return
-        api = state in ("on", "api-norecord", "exp-stopped")
+        api = state in ("on", "api-norecord", "exp-stopped", "unpaced") or state.startswith(
+            "paced-"
+        )
         _STATE.config = dataclasses.replace(_STATE.config, api_spans=api)
         _STATE.enabled = _STATE.installed and not _STATE.failed
 

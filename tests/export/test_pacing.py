@@ -1,5 +1,5 @@
 """The threads of ours that work through a backlog offer their CPU back
-(``cpu_yield.Pacer``): span building between journeys, the export stage between
+(``cpu_pacing.Pacer``): span building between journeys, the export stage between
 sends. Real sink, stage and exporters; the pacer's clock and yield are replaced
 only where a test counts its offers.
 
@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from records import journeys
 from services import wait_until
-from vllm_journey_otel.cpu_yield import YIELD_EVERY_NS, Pacer
+from vllm_journey_otel.export.cpu_pacing import YIELD_EVERY_NS, Pacer
 from vllm_journey_otel.export.export_stage import ExportStage
 from vllm_journey_otel.export.health import ExportHealth
 from vllm_journey_otel.export.span_sink import SpanSink

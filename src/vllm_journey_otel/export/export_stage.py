@@ -37,7 +37,8 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from vllm_journey_otel.config import Config
-from vllm_journey_otel.cpu_yield import Pacer, lower_priority
+from vllm_journey_otel.cpu_yield import lower_priority
+from vllm_journey_otel.export.cpu_pacing import Pacer
 from vllm_journey_otel.export.health import ExportHealth
 from vllm_journey_otel.log import logger
 
@@ -80,7 +81,7 @@ class ExportStage:
         self._shares_gil = shares_gil  # thread mode: the engine core's GIL
         self._waiting = 0  # add() calls waiting for room: a batch is due at once
         self._dead = False  # the stage's thread ended: export inline from then on
-        # The stage's thread offers its CPU between two sends (cpu_yield.py).
+        # The stage's thread offers its CPU between two sends (cpu_pacing.py).
         self.pace = Pacer()
         self._thread: threading.Thread | None = None
         if threaded and self.exporters:

@@ -29,8 +29,8 @@ from vllm_journey_otel.config import (
     endpoint_name,
     exporter_names,
 )
-from vllm_journey_otel.cpu_yield import Pacer
 from vllm_journey_otel.export.api_spans import plan_api
+from vllm_journey_otel.export.cpu_pacing import Pacer
 from vllm_journey_otel.export.export_stage import ExportStage
 from vllm_journey_otel.export.exporters import (
     build_exporters,
@@ -161,7 +161,7 @@ class SpanSink:
         pace = self.pace
         pace.restart()
         for journey in batch:
-            pace()  # a spinning thread of vLLM's on this CPU gets it back (cpu_yield.py)
+            pace()  # a spinning thread of vLLM's on this CPU gets it back (cpu_pacing.py)
             try:
                 spans = self._spans(journey)
             except Exception:
