@@ -39,6 +39,13 @@ class Frame(msgspec.Struct, array_like=True):
     engine_dropped: int = 0
 
 
+# Finished journeys an owner holds (in its queue, or taken and not yet written
+# whole) past this share of its queue's bound mean its exporters are behind:
+# the owner says so before the queue fills and drops (engine/pipeline.py), and
+# an exporter short of CPU says why (export/cpu_share.py).
+BEHIND_SHARE = 0.25
+
+
 class Acks:
     """Two counts shared by the engine core and one exporter it started, in
     sixteen bytes of shared memory (a memfd the engine core creates and passes

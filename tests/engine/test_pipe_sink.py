@@ -882,7 +882,8 @@ def test_a_backlog_is_said_before_the_queue_fills(pipes, caplog: pytest.LogCaptu
     minute), with what to change, and nothing has been dropped yet."""
     import logging
 
-    from vllm_journey_otel.engine.pipeline import BEHIND_SHARE, JourneyPipeline
+    from vllm_journey_otel.engine.pipeline import JourneyPipeline
+    from vllm_journey_otel.wire import BEHIND_SHARE
 
     _, w = pipes[0]
     fcntl.fcntl(w, F_SETPIPE_SZ, 4096)

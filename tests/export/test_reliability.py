@@ -273,8 +273,9 @@ def test_exporter_stalled_engine_side_drops_counted_and_carried(  # type: ignore
         assert pipeline.queued <= 64
         drops = [r.getMessage() for r in caplog.records if "dropped so far" in r.getMessage()]
         assert drops, "a full queue is reported"
-        # The advice names the lever for an exporter that cannot keep up.
+        # The advice names the levers for an exporter that cannot keep up.
         assert "VLLM_JOURNEY_OTEL_EXPORTER_PROCESSES" in drops[0], drops[0]
+        assert "VLLM_JOURNEY_OTEL_EXPORTER_CPUS" in drops[0], drops[0]
     finally:
         os.kill(sink.pid, signal.SIGCONT)
     pipeline.flush(10.0)  # now the queue (and the pending bytes) can go

@@ -24,7 +24,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from vllm_journey_otel.config import EXPORTER_PROCESSES, QUEUE_SIZE
+from vllm_journey_otel.config import EXPORTER_CPUS, EXPORTER_PROCESSES, QUEUE_SIZE
 from vllm_journey_otel.engine.exporter_launch import Restarts, launch, placement_roots
 from vllm_journey_otel.journey import Record
 from vllm_journey_otel.log import logger
@@ -321,11 +321,12 @@ class PipeSink:
         # that is down does not show here: the exporters then drop in their own
         # span queues instead.
         return (
-            f"the {len(self._fds)} exporter process(es) cannot keep up: short of CPU "
-            f"(one builds and exports ~6,000 journeys/s on a free core: raise "
-            f"{EXPORTER_PROCESSES}) or a slow backend (the exporter logs 'export is "
-            f"slower than the traffic'); or lower the sampling ratio, or raise "
-            f"{QUEUE_SIZE} for bursts"
+            f"the {len(self._fds)} exporter process(es) cannot keep up: short of CPU (the "
+            f"exporter logs 'short of CPU' where vLLM keeps its CPUs busy: give it one of its "
+            f"own, {EXPORTER_CPUS}; one builds and exports ~6,000 journeys/s on a free core, "
+            f"more of them help with free cores only: {EXPORTER_PROCESSES}) or a slow backend "
+            f"(it logs 'export is slower than the traffic'); or lower the sampling ratio, or "
+            f"raise {QUEUE_SIZE} for bursts"
         )
 
     def offer(self, batch: Sequence[Record], engine_dropped: int = 0) -> bool:

@@ -41,6 +41,7 @@ from vllm_journey_otel.cpu_yield import lower_priority
 from vllm_journey_otel.journey import Record
 from vllm_journey_otel.log import logger
 from vllm_journey_otel.losses import Loss, LossAccount
+from vllm_journey_otel.wire import BEHIND_SHARE
 
 
 class Sink(Protocol):
@@ -102,10 +103,6 @@ class Sink(Protocol):
 
 
 _DROP_LOG_PERIOD_S = 60.0
-# Journeys waiting (in the queue, or taken and not yet written whole) past
-# this share of the queue's bound mean the exporter is behind: said at most
-# once a _DROP_LOG_PERIOD_S, before the queue fills and drops.
-BEHIND_SHARE = 0.25
 # The drain thread writes for at most this long per wake-up (the rest of a frame
 # stays pending for the next one), so a flush or shutdown with a deadline never
 # waits longer than this for the sink.

@@ -40,6 +40,7 @@ from vllm_journey_otel.config import (
     from_env,
 )
 from vllm_journey_otel.export.cpu_placement import ExporterPlacement
+from vllm_journey_otel.export.cpu_share import CpuShareWatch
 from vllm_journey_otel.export.health import ExportHealth, SdkLogQuieter
 from vllm_journey_otel.export.span_sink import SpanSink
 from vllm_journey_otel.log import logger
@@ -134,10 +135,15 @@ def main(argv: list[str]) -> int:
     sink.acks = _acks(argv)
     tune_gc()
     reader = FrameReader()
+    starved = CpuShareWatch(config.queue_size)  # behind for want of CPU: said (cpu_share.py)
     end_of_file = False
     try:
         for frame in reader.frames(sys.stdin.buffer, READ_PACE_S, stop=_stopping):
             sink.consume(frame.journeys, frame.engine_dropped)
+            held = sink.acks.held() if sink.acks is not None else 0
+            note = starved.check(held, health.engine_dropped)
+            if note:
+                logger.warning(note)
         end_of_file = not _stopping()
     except Exception:
         logger.warning("journey-otel exporter: bad input, stopping", exc_info=True)
