@@ -47,23 +47,48 @@ def test_starved_while_the_owner_is_behind_is_said_once_a_period() -> None:
 def test_new_drops_alone_make_the_owner_behind() -> None:
     c = Counters()
     watch = c.watch()
-    c.now, c.stat = 60.0, (1 * S, 5 * S)
+    assert watch.check(held=0, dropped=0) is None
+    c.now, c.stat = 60.0, (1 * S, 40 * S)
     note = watch.check(held=0, dropped=4000)
     assert note is not None and "dropped 4000" in note
-    c.now, c.stat = 120.0, (2 * S, 10 * S)
+    c.now, c.stat = 120.0, (2 * S, 80 * S)
     assert watch.check(held=0, dropped=4000) is None  # no new drop, nothing held
+
+
+def test_a_replacement_exporters_first_frame_is_its_baseline() -> None:
+    c = Counters()
+    watch = c.watch()
+    c.now, c.stat = 60.0, (1 * S, 40 * S)
+    # Its owner's drops of its whole life, before this exporter existed.
+    assert watch.check(held=0, dropped=5000) is None
+    c.now, c.stat = 120.0, (2 * S, 80 * S)
+    note = watch.check(held=0, dropped=5100)
+    assert note is not None and "dropped 100:" in note
+
+
+def test_a_slow_backend_is_not_blamed_on_the_cpu() -> None:
+    c = Counters()
+    watch = c.watch()
+    assert watch.check(held=0, dropped=0, waited_s=2.0) is None
+    c.now, c.stat = 60.0, (1 * S, 50 * S)
+    # The stage waited 5 s more for the backend: the export stage says that.
+    assert watch.check(held=900, dropped=100, waited_s=7.0) is None
+    c.now, c.stat = 120.0, (2 * S, 100 * S)
+    assert watch.check(held=900, dropped=200, waited_s=7.5) is not None
 
 
 @pytest.mark.parametrize(
     ("run_s", "wait_s", "held", "dropped", "why"),
     [
         (30, 10, 900, 100, "ran more than it waited: a slow backend or enough CPU"),
-        (1, 30, 249, 0, "waited, but its owner was not behind (below a quarter of 1000)"),
+        (5, 20, 900, 100, "waited longer than it ran, for less than half the minute"),
+        (1, 40, 249, 0, "waited, but its owner was not behind (below a quarter of 1000)"),
     ],
 )
 def test_nothing_to_say(run_s: int, wait_s: int, held: int, dropped: int, why: str) -> None:
     c = Counters()
     watch = c.watch()
+    assert watch.check(0, 0) is None
     c.now, c.stat = 60.0, (run_s * S, wait_s * S)
     assert watch.check(held, dropped) is None, why
 

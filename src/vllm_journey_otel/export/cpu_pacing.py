@@ -21,6 +21,7 @@ spin-waits and the exporter"; ``benchmarks/yield_handover.py``).
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable
 
@@ -32,12 +33,22 @@ from collections.abc import Callable
 YIELD_EVERY_NS = 50_000
 
 
+def _sleep_zero() -> None:
+    time.sleep(0)
+
+
+# os.sched_yield releases the GIL from CPython 3.11.1 on; before, a yield would
+# keep it (in ``thread`` mode, from the engine thread): there, as vLLM's own
+# spin-wait does (vllm.distributed.utils.sched_yield), a zero sleep instead.
+GIVE: Callable[[], None] = os.sched_yield if sys.version_info >= (3, 11, 1) else _sleep_zero
+
+
 class Pacer:
     """A thread's offer of its CPU, once per ``every_ns`` of work (wall time).
 
-    Call :meth:`restart` when the thread starts a run of work (after a wait:
-    a blocked thread gave the CPU back already) and call the pacer between two
-    units of work. One pacer per thread; ``clock`` and ``give`` are for tests.
+    Call the pacer between two units of work, and :meth:`restart` after a
+    wait of the thread's own (a thread that blocked gave the CPU back). One
+    pacer per thread; ``clock`` and ``give`` are for tests.
     """
 
     __slots__ = ("_clock", "_due_mono_ns", "_every_ns", "_give", "yields")
@@ -46,7 +57,7 @@ class Pacer:
         self,
         every_ns: int = YIELD_EVERY_NS,
         clock: Callable[[], int] = time.monotonic_ns,
-        give: Callable[[], None] = os.sched_yield,
+        give: Callable[[], None] = GIVE,
     ) -> None:
         self._every_ns = every_ns
         self._clock = clock
@@ -60,9 +71,8 @@ class Pacer:
 
     def __call__(self) -> None:
         """Between two units of work: offer the CPU once the interval is up.
-        ``os.sched_yield`` releases the GIL (CPython 3.11.1 and later, which
-        vLLM's own spin-wait relies on too) and does not sleep: with nothing
-        else runnable on this CPU it returns at once."""
+        ``sched_yield`` does not sleep: with nothing else runnable on this CPU
+        it returns at once."""
         if self._clock() >= self._due_mono_ns:
             self._give()
             self.yields += 1

@@ -11,8 +11,9 @@ keep its CPUs busy it gets only their idle moments and the time vLLM's
 spin-waits give away, and falls behind. The owner then says its queue grows or
 drops journeys, and cannot tell a starved exporter from a slow backend (whose
 case the export stage says itself, ``health.ExportHealth.backed_up``). This
-process can: its thread waited for a CPU longer than it ran, while its owner
-held a backlog or dropped journeys. More exporter processes would share the
+process can: its thread waited for a CPU for half the time or more, longer
+than it ran, while its owner held a backlog or dropped journeys and the
+backend kept up. More exporter processes would share the
 same busy CPUs; a CPU vLLM does not use, or fewer journeys, helps.
 """
 
@@ -40,9 +41,17 @@ def thread_schedstat(path: str = SCHEDSTAT) -> tuple[int, int] | None:
 
 
 class CpuShareWatch:
-    """At most once per ``period_s``: a warning when this thread waited for a
-    CPU longer than it ran and its owner was behind (``held`` past
-    ``BEHIND_SHARE`` of ``queue_size``, or new drops)."""
+    """At most once per ``period_s``: a warning when this thread spent half the
+    period or more runnable but waiting for a CPU, longer than it ran, while
+    its owner was behind (``held`` past ``BEHIND_SHARE`` of ``queue_size``, or
+    new drops) and the backend was not what it waited for (the export stage's
+    backpressure, ``waited_s``, did not grow by a second or more: a slow
+    backend is said by ``health.ExportHealth.backed_up``).
+
+    ``held`` is the count the owner stores on its first exporter's counter
+    (``engine/pipe_sink.py``); other exporters of an owner with several see its
+    drops only.
+    """
 
     def __init__(
         self,
@@ -55,29 +64,39 @@ class CpuShareWatch:
         self._period_s = period_s
         self._clock = clock
         self._read = read
-        self._since = clock()
+        self._since_mono_s = clock()
         self._stat = read()
-        self._dropped = 0
+        # The owner's drops and the stage's backpressure at the period's start;
+        # None until the first frame (a replacement exporter's first frame
+        # carries every drop of its owner's life).
+        self._dropped: int | None = None
+        self._waited_s = 0.0
         self._held_max = 0
         self.reports = 0
 
-    def check(self, held: int, dropped: int) -> str | None:
+    def check(self, held: int, dropped: int, waited_s: float = 0.0) -> str | None:
         """Between two frames: ``held``, the finished journeys the owner holds
-        (``wire.Acks``); ``dropped``, what it dropped so far. The warning to
-        log, or None."""
+        (``wire.Acks``); ``dropped``, what it dropped so far; ``waited_s``, the
+        export stage's backpressure so far. The warning to log, or None."""
+        if self._dropped is None:
+            self._dropped, self._waited_s = dropped, waited_s
         self._held_max = max(self._held_max, held)
-        now = self._clock()
-        if now - self._since < self._period_s or self._stat is None:
+        now_mono_s = self._clock()
+        seconds = now_mono_s - self._since_mono_s
+        if seconds < self._period_s or self._stat is None:
             return None
         stat = self._read()
         if stat is None:
             self._stat = None  # no schedstat here: nothing more to say
             return None
         run_ns, wait_ns = stat[0] - self._stat[0], stat[1] - self._stat[1]
-        new_drops = dropped - self._dropped
-        held_max, seconds = self._held_max, now - self._since
-        self._since, self._stat, self._dropped, self._held_max = now, stat, dropped, held
-        if wait_ns <= run_ns or (held_max < self._behind and new_drops <= 0):
+        new_drops, held_max = dropped - self._dropped, self._held_max
+        backend_s = waited_s - self._waited_s
+        self._since_mono_s, self._stat, self._held_max = now_mono_s, stat, held
+        self._dropped, self._waited_s = dropped, waited_s
+        starved = wait_ns > run_ns and wait_ns >= seconds * 1e9 / 2
+        behind = held_max >= self._behind or new_drops > 0
+        if not (starved and behind) or backend_s >= 1.0:
             return None
         self.reports += 1
         return (

@@ -141,7 +141,7 @@ def main(argv: list[str]) -> int:
         for frame in reader.frames(sys.stdin.buffer, READ_PACE_S, stop=_stopping):
             sink.consume(frame.journeys, frame.engine_dropped)
             held = sink.acks.held() if sink.acks is not None else 0
-            note = starved.check(held, health.engine_dropped)
+            note = starved.check(held, health.engine_dropped, sink.stage.waited_s)
             if note:
                 logger.warning(note)
         end_of_file = not _stopping()

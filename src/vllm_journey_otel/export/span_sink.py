@@ -159,7 +159,6 @@ class SpanSink:
         health.engine_dropped = max(health.engine_dropped, engine_dropped)
         built: list[Any] = []  # ReadableSpans, or their OTLP fields (self.encoder)
         pace = self.pace
-        pace.restart()
         for journey in batch:
             pace()  # a spinning thread of vLLM's on this CPU gets it back (cpu_pacing.py)
             try:
