@@ -103,7 +103,7 @@ def _ppid_comm() -> dict[int, tuple[int, str, str]]:
 
 def roles(server_pid: int) -> dict[str, Any]:
     """API server, engine core and worker pids of the one server running, and
-    under "exporters" the pids of every exporter process (the engine core's and
+    under "exporters" the pids of its exporter processes (the engine core's and
     each API server's)."""
     procs = _ppid_comm()
     found: dict[str, Any] = {"api_server": server_pid, "exporters": []}
@@ -117,6 +117,9 @@ def roles(server_pid: int) -> dict[str, Any]:
             found["worker"] = p
         if "vllm_journey_otel.export.exporter_process" in cmd:
             found["exporters"].append(p)
+    # This server's only (its API server's or engine core's): a signal meant for
+    # them must not reach another run's exporters on the host.
+    found["exporters"] = [p for p in found["exporters"] if exporter_owner(p, found) != "unknown"]
     return found
 
 

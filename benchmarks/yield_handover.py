@@ -78,21 +78,21 @@ def _reader(handle: Any, out: Any, cpu: int) -> None:
     os.sched_setaffinity(0, {cpu})
     mq = MessageQueue.create_from_handle(handle, 0)
     mq.wait_until_ready()
-    stamps: list[tuple[int, int]] = []
+    stamps: list[tuple[int, int]] = []  # (sent_mono_ns, delay_ns)
     while True:
-        sent = mq.dequeue()
-        if sent is None:
+        sent_mono_ns = mq.dequeue()
+        if sent_mono_ns is None:
             break
-        stamps.append((sent, time.monotonic_ns() - sent))
+        stamps.append((sent_mono_ns, time.monotonic_ns() - sent_mono_ns))
     out.put(stamps)
 
 
 def _load(mode: str, args: argparse.Namespace) -> dict[str, Any] | None:
     """The exporter's load for one window (None for ``alone``: a sleep as long)."""
     if mode == "alone":
-        t0 = time.monotonic_ns()
+        t0_mono_ns = time.monotonic_ns()
         time.sleep(args.seconds)
-        return {"submit_mono_ns": [t0, time.monotonic_ns()]}
+        return {"submit_mono_ns": [t0_mono_ns, time.monotonic_ns()]}
     env = dict(os.environ, VLLM_JOURNEY_OTEL_EXPORTER_CPUS=str(args.reader_cpu))
     if mode == "before":
         env["PYTHONPATH"] = args.before
@@ -138,8 +138,10 @@ def one_window(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     stamps = out.get(timeout=120)
     writer.join(30)
     reader.join(30)
-    lo, hi = result["submit_mono_ns"]
-    delays = [d / 1e3 for sent, d in stamps if lo <= sent <= hi]
+    from_mono_ns, to_mono_ns = result["submit_mono_ns"]
+    delays = [d / 1e3 for sent_mono_ns, d in stamps if from_mono_ns <= sent_mono_ns <= to_mono_ns]
+    if not delays:
+        raise SystemExit(f"{mode}: no message was dequeued in the window (the writer or reader)")
     return {
         "mode": mode,
         "messages": len(delays),

@@ -78,13 +78,13 @@ def _pace_in_exporter(state: str) -> None:
 if _STATE_FILE:
 
     def _switch(signum: int, frame: object) -> None:
-        from vllm_journey_otel.engine.state import _STATE
-
         with open(_STATE_FILE) as f:
             state = f.read().strip()
-        if _exporter_process():
+        if _exporter_process():  # before any import of the engine side's
             _pace_in_exporter(state)
             return
+        from vllm_journey_otel.engine.state import _STATE
+
         # Loaded in the API server only (the engine core has no middleware).
         api_server = sys.modules.get("vllm_journey_otel.engine.api_server")
         if api_server is not None and _PIPELINE:
