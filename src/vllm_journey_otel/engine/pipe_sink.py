@@ -26,6 +26,7 @@ from typing import Any
 
 from vllm_journey_otel.config import EXPORTER_CPUS, EXPORTER_PROCESSES, QUEUE_SIZE
 from vllm_journey_otel.engine.exporter_launch import Restarts, launch, placement_roots
+from vllm_journey_otel.engine.pipe_room import any_room
 from vllm_journey_otel.journey import Record
 from vllm_journey_otel.log import logger
 from vllm_journey_otel.losses import Loss, LossAccount
@@ -335,8 +336,8 @@ class PipeSink:
         if self.broken or not batch or not self._lock.acquire(blocking=False):
             return False
         try:
-            if self._pending:
-                return False  # the drain thread finishes the partial frame first
+            if self._pending or not any_room(self._fds):  # a partial frame first; no encode
+                return False  # for nothing where every pipe is full (pipe_room.py)
             data = self._frame(batch, self.losses.carried)
             for fd in self._rotation():
                 try:
