@@ -13,6 +13,7 @@ import os
 import re
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 
 import pytest
@@ -24,6 +25,7 @@ from services import wait_exited, wait_until
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.engine.exporter_launch import F_SETPIPE_SZ
 from vllm_journey_otel.engine.pipe_sink import PipeSink
+from vllm_journey_otel.engine.pipeline import JourneyPipeline
 from vllm_journey_otel.export.spans import plan_spans
 from vllm_journey_otel.losses import Loss
 from vllm_journey_otel.wire import read_frames
@@ -100,6 +102,38 @@ def test_every_pipe_full_declines_before_encoding_the_frame(pipes) -> None:  # t
     os.read(r2, 4096)  # that exporter read: room again
     assert sink.offer(batch)
     assert encoded == [2000] and sink.pending  # written in part; the rest is the drain's
+
+
+class CountingDeque(deque):  # type: ignore[type-arg]
+    """The pipeline's queue, counting what is taken out of it."""
+
+    taken = 0
+
+    def popleft(self):  # type: ignore[no-untyped-def]
+        self.taken += 1
+        return super().popleft()
+
+
+def test_a_declined_hand_off_leaves_the_queue_where_it_is(pipes) -> None:  # type: ignore[no-untyped-def]
+    """While every pipe is full, the owner's hand-off (every interval) does not
+    take its queue out and put it back: O(queue), milliseconds at 16,384."""
+    (_r1, w1), (r2, w2) = pipes
+    for w in (w1, w2):
+        fcntl.fcntl(w, F_SETPIPE_SZ, 4096)
+        os.write(w, b"\0" * 4096)
+    pipeline = JourneyPipeline(PipeSink([w1, w2]), start_thread=False)
+    queue = pipeline._queue = CountingDeque()
+    batch = journeys(3000)
+    for j in batch:
+        pipeline.submit(j)
+    for _ in range(5):
+        pipeline.publish_due(time.monotonic_ns(), force=True)
+    assert queue.taken == 0 and pipeline.queued == 3000
+    assert pipeline._declined and pipeline._wake.is_set()  # the drain thread's now
+    os.read(r2, 4096)  # that exporter read: room again
+    pipeline.publish_due(time.monotonic_ns(), force=True)
+    assert queue.taken == 3000 + 1 and pipeline.queued == 0  # (the last finds it empty)
+    assert not pipeline._declined and pipeline.published == 3000
 
 
 def test_partial_frame_is_finished_on_its_own_pipe(pipes) -> None:  # type: ignore[no-untyped-def]
@@ -380,7 +414,6 @@ def test_drop_warning_names_the_lever_of_each_sink(caplog: pytest.LogCaptureFixt
 
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from vllm_journey_otel.engine.pipeline import JourneyPipeline
     from vllm_journey_otel.export.span_sink import SpanSink
 
     r, w = os.pipe()
@@ -494,7 +527,6 @@ def test_exporter_builds_no_faster_than_it_exports(monkeypatch, capfd) -> None: 
 def test_flush_keeps_its_deadline_when_the_exporter_does_not_read(pipes) -> None:  # type: ignore[no-untyped-def]
     """Scheduler.shutdown and atexit flush with a deadline: an exporter that reads
     slowly (waiting for a slow backend) or not at all must not hold them past it."""
-    from vllm_journey_otel.engine.pipeline import JourneyPipeline
 
     r, w = pipes[0]
     fcntl.fcntl(w, F_SETPIPE_SZ, 4096)
@@ -551,7 +583,6 @@ def test_drain_thread_is_a_backstop_in_action_and_survives_errors(pipes) -> None
     wake-up; every 10 ms while the sink has trouble) takes what is queued. An
     error in a drain is logged, its journeys counted as failed, and the thread
     goes on."""
-    from vllm_journey_otel.engine.pipeline import JourneyPipeline
 
     r, w = pipes[0]
     sink = PipeSink(w)
@@ -600,7 +631,6 @@ def test_thread_mode_engine_thread_never_offers() -> None:
     putting it back every interval."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from vllm_journey_otel.engine.pipeline import JourneyPipeline
     from vllm_journey_otel.export.span_sink import SpanSink
 
     memory = InMemorySpanExporter()
@@ -815,7 +845,6 @@ def test_the_engines_last_step_before_idling_hands_on_with_a_session_waiting(pip
     from conftest import import_harness
     from vllm_journey_otel.config import Config
     from vllm_journey_otel.engine import hooks
-    from vllm_journey_otel.engine.pipeline import JourneyPipeline
     from vllm_journey_otel.engine.state import _STATE
 
     harness = import_harness()
@@ -854,7 +883,6 @@ def test_the_engines_last_step_before_a_pause_hands_on(pipes) -> None:  # type: 
     from conftest import import_harness
     from vllm_journey_otel.config import Config
     from vllm_journey_otel.engine import hooks
-    from vllm_journey_otel.engine.pipeline import JourneyPipeline
     from vllm_journey_otel.engine.state import _STATE, TRACKER_ATTR
 
     harness = import_harness()
@@ -908,7 +936,6 @@ def test_a_backlog_is_said_before_the_queue_fills(pipes, caplog: pytest.LogCaptu
     minute), with what to change, and nothing has been dropped yet."""
     import logging
 
-    from vllm_journey_otel.engine.pipeline import JourneyPipeline
     from vllm_journey_otel.wire import BEHIND_SHARE
 
     _, w = pipes[0]

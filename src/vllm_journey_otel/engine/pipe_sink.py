@@ -316,11 +316,9 @@ class PipeSink:
 
     @property
     def drop_advice(self) -> str:
-        # Engine-side drops mean the pipes stayed full: the exporters are short
-        # of CPU, or wait for a backend that answers slowly (they build spans
-        # only as fast as they export them; their log says which). A backend
-        # that is down does not show here: the exporters then drop in their own
-        # span queues instead.
+        # Drops here mean the pipes stayed full: exporters short of CPU, or a
+        # slow backend (they build spans only as fast as they export them; their
+        # log says which). A backend that is down shows in their own queues.
         return (
             f"the {len(self._fds)} exporter process(es) cannot keep up: short of CPU (the "
             f"exporter logs 'short of CPU' where vLLM keeps its CPUs busy: give it one of its "
@@ -329,6 +327,11 @@ class PipeSink:
             f"(it logs 'export is slower than the traffic'); or lower the sampling ratio, or "
             f"raise {QUEUE_SIZE} for bursts"
         )
+
+    def may_take(self) -> bool:
+        # Without the lock, a hint (offer decides under it): an exporter lost
+        # meanwhile makes the poll say "room" (POLLNVAL), and offer then declines.
+        return not (self.broken or self._pending or self._lock.locked()) and any_room(self._fds)
 
     def offer(self, batch: Sequence[Record], engine_dropped: int = 0) -> bool:
         # Each frame carries this process's ``losses.carried``, the pipeline's

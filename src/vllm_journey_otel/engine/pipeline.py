@@ -56,6 +56,11 @@ class Sink(Protocol):
 
     losses: LossAccount
 
+    def may_take(self) -> bool:
+        """The owner's thread, before it takes its queue out: whether an offer
+        now could go through (no encode, no write; ``offer`` decides). False:
+        the queue stays where it is."""
+
     def offer(self, batch: Sequence[Record], engine_dropped: int = 0) -> bool:
         """The owner's thread: take the batch now if that cannot block; False = queue it."""
 
@@ -225,6 +230,14 @@ class JourneyPipeline:
             return
         self._last_publish_ns = now_ns
         self.due_ns = now_ns + PUBLISH_INTERVAL_NS
+        if not self.sink.may_take():
+            # Every pipe full, or a frame's rest pending: the queue stays put.
+            # Taking a full queue out and back is O(queue), milliseconds of the
+            # owner's at 16,384 journeys, every interval while the exporters
+            # are behind (docs/performance.md, "A declined hand-off").
+            self._decline()
+            self._note_held()
+            return
         batch: list[Record] = []
         self._owner_in_hand = len(queue)  # before they leave the queue
         try:
@@ -245,12 +258,16 @@ class JourneyPipeline:
                 with self._held_lock:  # back in the queue and out of hand at once
                     queue.extendleft(reversed(batch))
                     self._owner_in_hand = 0
-                if not self._declined:  # once per episode: each set() is a lock round
-                    self._declined = True
-                    self._wake.set()
+                self._decline()
         finally:
             self._owner_in_hand = 0  # the sink's now, or back in the queue
         self._note_held()
+
+    def _decline(self) -> None:
+        """The owner's offer was (or would be) declined: the drain thread takes over."""
+        if not self._declined:  # once per episode: each set() is a lock round
+            self._declined = True
+            self._wake.set()
 
     def _note_held(self) -> None:
         """Owner or drain thread, after moving journeys: what is still held, for

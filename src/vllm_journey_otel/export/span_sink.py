@@ -125,8 +125,11 @@ class SpanSink:
             sink.encoder = OtlpEncoder()
         return sink
 
-    def offer(self, batch: Sequence[Record], engine_dropped: int = 0) -> bool:
+    def may_take(self) -> bool:
         return False  # building spans is not for the engine thread: always queue
+
+    def offer(self, batch: Sequence[Record], engine_dropped: int = 0) -> bool:
+        return False
 
     takes_offers = False
     replacing = False  # nothing to replace: spans are built in this process
