@@ -367,3 +367,39 @@ def test_trace_headers_read_at_admission_not_copied_into_every_output(
     assert e.outputs_with_headers == ({"traced": 4} if vllm_tracing else {})
     root = tracing.journeys()["traced"].span
     assert root.context.trace_id == int(TRACE, 16) and root.parent.span_id == int(SPAN, 16)
+
+
+@requires_vllm
+def test_admissions_count_the_unsampled_requests_queued_beside_them() -> None:
+    """Between two steps the tracker carries vLLM's counts from one admission to
+    the next of the same burst: an unsampled request in between (no journey)
+    still joined vLLM's queue, and the next admission's waiting count says so."""
+    harness = import_harness()
+    exporter = InMemorySpanExporter()
+    assert hooks.install(
+        Config(enabled=True, export_mode=MODE_THREAD),
+        exporters=[exporter],
+        batch=False,
+        head=HeadSampler(parent_based=True, ratio=1.0),
+        tail=TailRule(False, False, False, None, in_flight=False),
+    )
+    try:
+        e = harness.Engine()
+        s = e.scheduler
+        seen = {}
+        for rid, flags in (("a", "01"), ("b", "00"), ("c", "01"), ("d", "01")):
+            e.add(rid, prompt_len=10, max_tokens=3, trace_headers=tp(flags))
+            seen[rid] = s.get_request_counts()
+        e.run()
+        assert handoff.flush(10)
+    finally:
+        hooks.uninstall()
+    spans = exporter.get_finished_spans()
+    roots = {
+        s.context.span_id: s.attributes[S.REQUEST_ID] for s in spans if s.name == S.SPAN_REQUEST
+    }
+    queued = {roots[s.parent.span_id]: s for s in spans if s.name == S.SPAN_QUEUED and s.parent}
+    assert sorted(queued) == ["a", "c", "d"]  # b was not sampled
+    for rid, span in queued.items():
+        assert (span.attributes[S.NUM_RUNNING], span.attributes[S.NUM_WAITING]) == seen[rid]
+    assert seen["c"] == (0, 3)

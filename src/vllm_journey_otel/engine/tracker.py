@@ -45,14 +45,13 @@ class SchedulerTracker(QueueWaits, StepView):
         "__weakref__",
         "awaiting",
         "blocked",
+        "engine_seen",
         "has_connector",
         "head",
         "hook_preempt",
         "in_update",
         "keep_headers",
         "kv",
-        "kv_usage",
-        "kv_usage_running",
         "last_update_ids",
         "last_update_mono_ns",
         "max_loras",
@@ -82,14 +81,16 @@ class SchedulerTracker(QueueWaits, StepView):
         self.head = _STATE.head
         self.parent_based = self.head.parent_based
         self.tail = _STATE.tail
-        # vLLM's KV cache usage, read at the first admission after the blocks may
-        # have changed (schedule, update, a freed request) and kept for the
-        # admissions after it: between steps vLLM adds requests in a burst, and
-        # adding one allocates no block. None: to be read. Read again when the
-        # running count moved (a preemption between steps: vLLM's
-        # reset_prefix_cache at a pause, also where _preempt_request is not hooked).
-        self.kv_usage: float | None = None
-        self.kv_usage_running = -1
+        # vLLM's KV cache usage and request counts (running, waiting), read at
+        # the first admission after they may have changed otherwise (schedule,
+        # update, a preempted or freed request, a streaming session's next
+        # input) and carried through the admissions after it: between steps
+        # vLLM adds requests in a burst, and adding one allocates no block and
+        # adds one to its waiting count (0.30-0.33: ``waiting`` or the queue it
+        # keeps beside it). None: to be read. Read again when the running count
+        # moved (a preemption between steps: vLLM's reset_prefix_cache at a
+        # pause, also where _preempt_request is not hooked).
+        self.engine_seen: tuple[float, int, int] | None = None
         self.step = 0
         # request id -> (Request, RequestJourney) for requests whose current cycle
         # has no token yet (or that were preempted before their first token).
@@ -149,7 +150,9 @@ class SchedulerTracker(QueueWaits, StepView):
     def after_add(self, request: Any, known: bool) -> None:
         if known:
             # Streaming input: the next input chunk of a session (or its end,
-            # which vLLM turns into an abort, seen by _free_request).
+            # which vLLM turns into an abort, seen by _free_request). The
+            # session may have gone back to vLLM's queue.
+            self.engine_seen = None
             session = self.scheduler.requests.get(request.request_id)
             j = getattr(session, JOURNEY_ATTR, None)
             if (
@@ -175,6 +178,7 @@ class SchedulerTracker(QueueWaits, StepView):
         else:
             sampled, root_ids = self.head.decide(headers)
         if not sampled and not self.tail.active:
+            self.engine_seen = None  # (it joined vLLM's queue all the same)
             return  # an unsampled request costs this decision and nothing else
         if tp is None and headers is not None:
             headers = bounded_trace_headers(headers)
@@ -199,12 +203,13 @@ class SchedulerTracker(QueueWaits, StepView):
         # What the engine looked like when it was admitted, by vLLM's own counts
         # (its waiting count includes the queues it keeps beside `waiting`).
         s = self.scheduler
-        running, waiting = s.get_request_counts()
-        usage = self.kv_usage
-        if usage is None or running != self.kv_usage_running:
-            usage = self.kv_usage = float(s.get_kv_cache_usage())
-            self.kv_usage_running = running
-        j.admitted_engine = (usage, running, waiting)
+        seen = self.engine_seen
+        if seen is not None and seen[1] == len(s.running):
+            seen = (seen[0], seen[1], seen[2] + 1)  # this request joined the queue
+        else:
+            running, waiting = s.get_request_counts()
+            seen = (float(s.get_kv_cache_usage()), running, waiting)
+        j.admitted_engine = self.engine_seen = seen
         setattr(request, JOURNEY_ATTR, j)
         reason = self.status_waits.get(request.status)
         if reason is not None:  # a grammar to compile before it can be scheduled
@@ -213,7 +218,7 @@ class SchedulerTracker(QueueWaits, StepView):
 
     # schedule --------------------------------------------------------------
     def after_schedule(self, t: int, out: Any) -> None:
-        self.kv_usage = None  # schedule() allocated and preempted
+        self.engine_seen = None  # schedule() allocated and preempted
         self.step += 1
         step = self.step
         requests = self.scheduler.requests
@@ -263,7 +268,7 @@ class SchedulerTracker(QueueWaits, StepView):
 
     # _preempt_request ------------------------------------------------------
     def before_preempt(self, request: Any) -> tuple[Any, ...] | None:
-        self.kv_usage = None  # its blocks are freed (in schedule(), or between steps)
+        self.engine_seen = None  # its blocks are freed (in schedule(), or between steps)
         if getattr(request, JOURNEY_ATTR, None) is None:
             return None
         s = self.scheduler
@@ -369,7 +374,7 @@ class SchedulerTracker(QueueWaits, StepView):
         self.in_update = False
         self.last_update_mono_ns = t
         self.last_update_ids = scheduler_output.num_scheduled_tokens
-        self.kv_usage = None  # blocks freed, KV transfers done
+        self.engine_seen = None  # blocks freed, KV transfers done
         if self.steps_open:
             rec = self.steps_open.pop(id(scheduler_output), None)
             if rec is not None:
@@ -407,7 +412,7 @@ class SchedulerTracker(QueueWaits, StepView):
     # _free_request ---------------------------------------------------------
     def after_free(self, request: Any, kv_params: Any = None) -> None:
         """``kv_params``: the connector's ``kv_transfer_params`` for the response."""
-        self.kv_usage = None
+        self.engine_seen = None
         j: RequestJourney | None = getattr(request, JOURNEY_ATTR, None)
         if j is None:
             return
