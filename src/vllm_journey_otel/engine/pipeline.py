@@ -232,9 +232,9 @@ class JourneyPipeline:
         self.due_ns = now_ns + PUBLISH_INTERVAL_NS
         if not self.sink.may_take():
             # Every pipe full, or a frame's rest pending: the queue stays put.
-            # Taking a full queue out and back is O(queue), milliseconds of the
+            # Taking a full queue out and back is O(queue), 0.3 ms or more of the
             # owner's at 16,384 journeys, every interval while the exporters
-            # are behind (docs/performance.md, "A declined hand-off").
+            # are behind (docs/performance.md, "vLLM's spin-waits and the exporter").
             self._decline()
             self._note_held()
             return
