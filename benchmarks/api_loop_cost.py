@@ -26,6 +26,10 @@ for the share. What this cannot show is what a thread of ours costs the loop
 when it takes the GIL on a saturated CPU: ``benchmarks/gil_wake_cost.py``.
 
     .venv/bin/python benchmarks/api_loop_cost.py [ROUNDS] [REQUESTS] [CHUNKS] [CONCURRENCY]
+        [traceparent]
+
+``traceparent``: every request carries a client's ``traceparent`` (sampled),
+as from a traced client: our span's parent, its trace the engine's.
 """
 
 from __future__ import annotations
@@ -93,13 +97,18 @@ def make_app(traced: bool, chunks: int) -> Any:
     return app
 
 
+# A traced client's headers (``traceparent`` on the command line), else none.
+CLIENT_HEADERS: list[tuple[bytes, bytes]] = []
+
+
 async def call(app: Any, path: str) -> None:
     body = json.dumps({"model": "m", "prompt": "hi", "n": 1}).encode()
     scope = {
         "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
         "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
         "root_path": "", "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 5000),
-        "headers": [(b"content-type", b"application/json"), (b"host", b"127.0.0.1")],
+        "headers": [(b"content-type", b"application/json"), (b"host", b"127.0.0.1"),
+                    *CLIENT_HEADERS],
     }  # fmt: skip
     sent = False
 
@@ -136,6 +145,9 @@ def main() -> None:
     requests = int(sys.argv[2]) if len(sys.argv) > 2 else 2000
     chunks = int(sys.argv[3]) if len(sys.argv) > 3 else 16
     concurrency = int(sys.argv[4]) if len(sys.argv) > 4 else 48
+    if "traceparent" in sys.argv[5:]:
+        tp = b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+        CLIENT_HEADERS.append((b"traceparent", tp))
     from vllm_journey_otel.config import Config
     from vllm_journey_otel.engine import hooks
     from vllm_journey_otel.engine.handoff import _pipeline_for
@@ -172,6 +184,7 @@ def main() -> None:
     print(json.dumps({
         "rounds": rounds, "requests_per_block": requests, "stream_chunks": chunks,
         "concurrency": concurrency,
+        "client_traceparent": bool(CLIENT_HEADERS),
         "loop_thread_cpu_us_per_request": med,
         "process_cpu_us_per_request": pmed,
         "loop_on_minus_off_us": round(med["on"] - med["off"], 2),

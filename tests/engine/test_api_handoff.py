@@ -238,3 +238,50 @@ def test_a_forked_child_has_no_pipeline_of_its_parent(served) -> None:  # type: 
             os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
     assert current_pipeline() is pipeline
+
+
+def test_the_clients_traceparent_decides_and_parents_the_engines_headers(served) -> None:  # type: ignore[no-untyped-def]
+    """A client's valid traceparent is the parent: its trace id goes on to the
+    engine, its sampled flag decides (parent-based, the default); an invalid
+    one is no parent at all (a trace of our own, sampled)."""
+    import httpx
+
+    app, pipeline, r = served
+    trace = "0af7651916cd43dd8448eb211c80319c"
+    cases = {
+        "sampled": f"00-{trace}-b7ad6b7169203331-01",
+        "unsampled": f"00-{trace}-b7ad6b7169203331-00",
+        "invalid": f"00-{'0' * 32}-b7ad6b7169203331-01",
+    }
+
+    async def send() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            for tp in cases.values():
+                reply = await client.post("/v1/completions", json={}, headers={"traceparent": tp})
+                assert reply.status_code == 200
+
+    seen: dict[str, Any] = {}
+    on_engine_request = api_server.ApiRequest.on_engine_request
+
+    def noting(self, request):  # type: ignore[no-untyped-def]
+        seen[self.parent_headers["traceparent"] if self.parent_headers else None] = self
+        return on_engine_request(self, request)
+
+    api_server.ApiRequest.on_engine_request = noting  # type: ignore[method-assign]
+    try:
+        asyncio.run(send())
+    finally:
+        api_server.ApiRequest.on_engine_request = on_engine_request  # type: ignore[method-assign]
+    ours = {name: seen[tp] for name, tp in cases.items() if tp in seen}
+    assert set(ours) == {"sampled", "unsampled"} and None in seen  # invalid: no parent
+    for name, flags in (("sampled", "01"), ("unsampled", "00")):
+        req = ours[name]
+        assert (req.ids.trace_hi << 64 | req.ids.trace_lo) == int(trace, 16)
+        assert req.sampled is (flags == "01") and req.server_kind
+        engine_tp = req.engine_headers["traceparent"]
+        assert engine_tp == f"00-{trace}-{req.ids.span_id:016x}-{flags}"
+    own = seen[None]
+    assert own.sampled and own.ids.trace_hi << 64 | own.ids.trace_lo != int(trace, 16)
+    got = _records(r) if pipeline.flush(5) else []
+    assert sorted(j.head_sampled for j in got) == [True, True]  # the unsampled one: no record

@@ -68,8 +68,9 @@ def current() -> ApiRequest | None:
     return _CURRENT.get()
 
 
-def _parent(scope: Scope) -> tuple[dict[str, str] | None, bool]:
-    """The parent's W3C headers and whether our span is the SERVER span.
+def _parent(scope: Scope) -> tuple[dict[str, str] | None, bool, tuple[int, int] | None]:
+    """The parent's W3C headers, whether our span is the SERVER span, and the
+    parent's (trace id, flags) (``sampling.client_trace``'s, parsed once).
 
     A recording span current here is another instrumentation's HTTP server span
     (FastAPI's, through ``opentelemetry-instrument``): ours is its INTERNAL child.
@@ -82,7 +83,7 @@ def _parent(scope: Scope) -> tuple[dict[str, str] | None, bool]:
         headers = {"traceparent": parent}
         if ctx.trace_state:
             headers["tracestate"] = ctx.trace_state.to_header()
-        return headers, False
+        return headers, False, (ctx.trace_id, int(ctx.trace_flags))
     found: dict[str, str] = {}
     for name, value in scope.get("headers", ()):
         if name == b"traceparent":
@@ -90,10 +91,11 @@ def _parent(scope: Scope) -> tuple[dict[str, str] | None, bool]:
         elif name == b"tracestate":  # several headers are one list (W3C)
             text = value.decode("latin-1")
             found["tracestate"] = f"{found['tracestate']},{text}" if "tracestate" in found else text
-    if client_trace(found.get("traceparent")) is None:
-        return None, True  # no valid parent: no tracestate either
+    client = client_trace(found.get("traceparent")) if found else None
+    if client is None:
+        return None, True, None  # no valid parent: no tracestate either
     # The sizes the engine keeps (a client cannot make the record grow).
-    return bounded_trace_headers(found), True
+    return bounded_trace_headers(found), True, client
 
 
 # ASGI spec versions before the one whose servers raise from ``send`` for a
@@ -150,10 +152,8 @@ class ApiRequest:
         self._send_raises = _send_raises(scope)
         self.method = str(scope.get("method", ""))
         self.path = str(scope.get("path", ""))
-        self.parent_headers, self.server_kind = _parent(scope)
-        parent = self.parent_headers
-        sampled, drawn = _STATE.head.decide(parent)
-        client = client_trace(parent.get("traceparent")) if parent else None
+        self.parent_headers, self.server_kind, client = _parent(scope)
+        sampled, drawn = _STATE.head.decide_client(client)
         if client is not None:
             trace_id = client[0]
         elif drawn is not None:  # the ratio decided on this trace id: keep it

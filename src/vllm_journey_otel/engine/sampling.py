@@ -79,6 +79,12 @@ class HeadSampler:
             if ours is not None:  # its flags: 01 (sampled) or 00
                 return ours[-1] == "1", None
         client = client_trace(trace_headers.get("traceparent")) if trace_headers else None
+        return self.decide_client(client)
+
+    def decide_client(self, client: tuple[int, int] | None) -> tuple[bool, RootIds | None]:
+        """:meth:`decide` for a parent parsed already: ``client_trace``'s (trace
+        id, flags), or None where there is none (the API server's middleware
+        parses its client's ``traceparent`` once)."""
         if client is not None and self.parent_based:
             return (client[1] & 1) == 1, None
         ratio = self.ratio
