@@ -252,6 +252,8 @@ def test_the_clients_traceparent_decides_and_parents_the_engines_headers(served)
         "sampled": f"00-{trace}-b7ad6b7169203331-01",
         "unsampled": f"00-{trace}-b7ad6b7169203331-00",
         "invalid": f"00-{'0' * 32}-b7ad6b7169203331-01",
+        # Valid, but past the size the engine keeps: dropped, as no parent.
+        "too long": f"00-{trace}-b7ad6b7169203331-00" + " " * 300,
     }
 
     async def send() -> None:
@@ -261,11 +263,11 @@ def test_the_clients_traceparent_decides_and_parents_the_engines_headers(served)
                 reply = await client.post("/v1/completions", json={}, headers={"traceparent": tp})
                 assert reply.status_code == 200
 
-    seen: dict[str, Any] = {}
+    in_order: list[Any] = []
     on_engine_request = api_server.ApiRequest.on_engine_request
 
     def noting(self, request):  # type: ignore[no-untyped-def]
-        seen[self.parent_headers["traceparent"] if self.parent_headers else None] = self
+        in_order.append(self)
         return on_engine_request(self, request)
 
     api_server.ApiRequest.on_engine_request = noting  # type: ignore[method-assign]
@@ -273,15 +275,17 @@ def test_the_clients_traceparent_decides_and_parents_the_engines_headers(served)
         asyncio.run(send())
     finally:
         api_server.ApiRequest.on_engine_request = on_engine_request  # type: ignore[method-assign]
-    ours = {name: seen[tp] for name, tp in cases.items() if tp in seen}
-    assert set(ours) == {"sampled", "unsampled"} and None in seen  # invalid: no parent
+    seen = dict(zip(cases, in_order, strict=True))
     for name, flags in (("sampled", "01"), ("unsampled", "00")):
-        req = ours[name]
+        req = seen[name]
+        assert req.parent_headers == {"traceparent": cases[name]}
         assert (req.ids.trace_hi << 64 | req.ids.trace_lo) == int(trace, 16)
         assert req.sampled is (flags == "01") and req.server_kind
         engine_tp = req.engine_headers["traceparent"]
         assert engine_tp == f"00-{trace}-{req.ids.span_id:016x}-{flags}"
-    own = seen[None]
-    assert own.sampled and own.ids.trace_hi << 64 | own.ids.trace_lo != int(trace, 16)
+    for name in ("invalid", "too long"):  # no parent: a trace of its own, sampled
+        own = seen[name]
+        assert not own.parent_headers and own.sampled
+        assert own.ids.trace_hi << 64 | own.ids.trace_lo != int(trace, 16)
     got = _records(r) if pipeline.flush(5) else []
-    assert sorted(j.head_sampled for j in got) == [True, True]  # the unsampled one: no record
+    assert len(got) == 3 and all(j.head_sampled for j in got)  # unsampled: no record

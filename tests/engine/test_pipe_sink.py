@@ -104,6 +104,24 @@ def test_every_pipe_full_declines_before_encoding_the_frame(pipes) -> None:  # t
     assert encoded == [2000] and sink.pending  # written in part; the rest is the drain's
 
 
+def test_an_offer_declined_after_all_is_put_back_in_order(pipes) -> None:  # type: ignore[no-untyped-def]
+    """A pipe whose exporter is gone polls as "room" (POLLERR); the write then
+    finds it gone and the other pipe full: the queue goes back as it was."""
+    (r1, w1), (_r2, w2) = pipes
+    os.close(r1)  # that exporter is gone
+    fcntl.fcntl(w2, F_SETPIPE_SZ, 4096)
+    os.write(w2, b"\0" * 4096)  # the other one is behind
+    sink = PipeSink([w1, w2])
+    pipeline = JourneyPipeline(sink, start_thread=False)
+    batch = journeys(50)
+    for j in batch:
+        pipeline.submit(j)
+    assert sink.may_take()
+    pipeline.publish_due(time.monotonic_ns(), force=True)
+    assert list(pipeline._queue) == batch and pipeline.published == 0
+    assert pipeline._declined and sink.exporters == 1  # the gone one left out
+
+
 class CountingDeque(deque):  # type: ignore[type-arg]
     """The pipeline's queue, counting what is taken out of it."""
 
@@ -128,7 +146,7 @@ def test_a_declined_hand_off_leaves_the_queue_where_it_is(pipes) -> None:  # typ
         pipeline.submit(j)
     for _ in range(5):
         pipeline.publish_due(time.monotonic_ns(), force=True)
-    assert queue.taken == 0 and pipeline.queued == 3000
+    assert queue.taken == 0 and list(queue) == batch  # untouched, in order
     assert pipeline._declined and pipeline._wake.is_set()  # the drain thread's now
     os.read(r2, 4096)  # that exporter read: room again
     pipeline.publish_due(time.monotonic_ns(), force=True)
@@ -475,7 +493,7 @@ def test_drain_thread_leaves_the_queue_to_a_stepping_engine(pipes) -> None:  # t
             while True:
                 os.write(w, b"\0" * size)
     pipeline.publish_due(t0 + PUBLISH_INTERVAL_NS)
-    assert pipeline.queued == 2, "declined: back in the queue"
+    assert pipeline.queued == 2, "declined: left in the queue"
     assert not pipeline.engine_hands_on(t0 + PUBLISH_INTERVAL_NS)
     # Room again and the next offer goes through: the engine's queue once more.
     os.read(r, 1 << 16)

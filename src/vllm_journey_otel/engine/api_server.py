@@ -83,7 +83,7 @@ def _parent(scope: Scope) -> tuple[dict[str, str] | None, bool, tuple[int, int] 
         headers = {"traceparent": parent}
         if ctx.trace_state:
             headers["tracestate"] = ctx.trace_state.to_header()
-        return headers, False, (ctx.trace_id, int(ctx.trace_flags))
+        return headers, False, (ctx.trace_id, int(ctx.trace_flags)) if ctx.is_valid else None
     found: dict[str, str] = {}
     for name, value in scope.get("headers", ()):
         if name == b"traceparent":
@@ -94,8 +94,10 @@ def _parent(scope: Scope) -> tuple[dict[str, str] | None, bool, tuple[int, int] 
     client = client_trace(found.get("traceparent")) if found else None
     if client is None:
         return None, True, None  # no valid parent: no tracestate either
-    # The sizes the engine keeps (a client cannot make the record grow).
-    return bounded_trace_headers(found), True, client
+    # The sizes the engine keeps (a client cannot make the record grow): a
+    # traceparent past them is dropped, and the request starts its own trace.
+    bounded = bounded_trace_headers(found)
+    return bounded, True, client if bounded and "traceparent" in bounded else None
 
 
 # ASGI spec versions before the one whose servers raise from ``send`` for a

@@ -1,7 +1,7 @@
 """The engine side of the exporter pipe: encode batches of journeys, write them.
 
-Engine-core process: :meth:`PipeSink.offer` on the engine thread (one encode,
-one non-blocking write), everything else on the pipeline's drain thread
+Engine-core or API-server process: :meth:`PipeSink.may_take` and ``offer`` on
+the owner's thread (a poll; an encode, a non-blocking write), the rest on the drain thread
 (``pipeline.py``). The exporter processes it writes to are started and replaced
 through ``exporter_launch.py``. Clock: ``time.monotonic()`` for deadlines and
 the replacements' backoff.

@@ -264,7 +264,8 @@ class JourneyPipeline:
         self._note_held()
 
     def _decline(self) -> None:
-        """The owner's offer was (or would be) declined: the drain thread takes over."""
+        """The owner's thread: its offer was (or would be) declined; the drain
+        thread takes over."""
         if not self._declined:  # once per episode: each set() is a lock round
             self._declined = True
             self._wake.set()

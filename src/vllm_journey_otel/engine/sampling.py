@@ -60,7 +60,8 @@ def client_trace(traceparent: str | None) -> tuple[int, int] | None:
 
 @dataclass(frozen=True)
 class HeadSampler:
-    """``decide()`` runs on the engine thread at admission: a few comparisons."""
+    """A few comparisons: ``decide()`` on the engine thread at admission,
+    ``decide_client()`` also on the API server's event loop (its middleware)."""
 
     parent_based: bool = True
     ratio: float = 1.0

@@ -84,12 +84,12 @@ class SchedulerTracker(QueueWaits, StepView):
         # vLLM's KV cache usage and request counts (running, waiting), read at
         # the first admission after they may have changed otherwise (schedule,
         # update, a preempted or freed request, a streaming session's next
-        # input) and carried through the admissions after it: between steps
-        # vLLM adds requests in a burst, and adding one allocates no block and
-        # adds one to its waiting count (0.30-0.33: ``waiting`` or the queue it
-        # keeps beside it). None: to be read. Read again when the running count
-        # moved (a preemption between steps: vLLM's reset_prefix_cache at a
-        # pause, also where _preempt_request is not hooked).
+        # input) and carried through the admissions after it, sampled or not:
+        # between steps vLLM adds requests in a burst, and adding one allocates
+        # no block and adds one to its waiting count (0.30-0.33: ``waiting`` or
+        # the queue it keeps beside it). None: to be read. Read again when the
+        # running count moved (a preemption between steps: vLLM's
+        # reset_prefix_cache at a pause, also where _preempt_request is not hooked).
         self.engine_seen: tuple[float, int, int] | None = None
         self.step = 0
         # request id -> (Request, RequestJourney) for requests whose current cycle
@@ -178,7 +178,9 @@ class SchedulerTracker(QueueWaits, StepView):
         else:
             sampled, root_ids = self.head.decide(headers)
         if not sampled and not self.tail.active:
-            self.engine_seen = None  # (it joined vLLM's queue all the same)
+            seen = self.engine_seen
+            if seen is not None:  # it joined vLLM's queue all the same
+                self.engine_seen = (seen[0], seen[1], seen[2] + 1)
             return  # an unsampled request costs this decision and nothing else
         if tp is None and headers is not None:
             headers = bounded_trace_headers(headers)
