@@ -147,7 +147,8 @@ def test_a_declined_hand_off_leaves_the_queue_where_it_is(pipes) -> None:  # typ
     for _ in range(5):
         pipeline.publish_due(time.monotonic_ns(), force=True)
     assert queue.taken == 0 and list(queue) == batch  # untouched, in order
-    assert pipeline._declined and pipeline._wake.is_set()  # the drain thread's now
+    # The owner's to retry at its next call: the drain thread sleeps on.
+    assert pipeline._declined and not pipeline._wake.is_set()
     os.read(r2, 4096)  # that exporter read: room again
     pipeline.publish_due(time.monotonic_ns(), force=True)
     assert queue.taken == 3000 + 1 and pipeline.queued == 0  # (the last finds it empty)
@@ -487,13 +488,19 @@ def test_drain_thread_leaves_the_queue_to_a_stepping_engine(pipes) -> None:  # t
     # (a step that takes seconds): drain.
     assert pipeline.engine_hands_on(t0 + 2 * PUBLISH_INTERVAL_NS)
     assert not pipeline.engine_hands_on(t0 + 3 * PUBLISH_INTERVAL_NS)
-    # A full pipe: the engine's offer is declined, the drain thread must write.
+    # A full pipe: the engine's offer is declined, and still the engine's to
+    # retry while it calls (a drain would only take the GIL from it).
     for size in (1024, 1):  # writes up to PIPE_BUF are all or nothing: fill every byte
         with contextlib.suppress(BlockingIOError):
             while True:
                 os.write(w, b"\0" * size)
     pipeline.publish_due(t0 + PUBLISH_INTERVAL_NS)
     assert pipeline.queued == 2, "declined: left in the queue"
+    assert pipeline.engine_hands_on(t0 + PUBLISH_INTERVAL_NS)
+    assert not pipeline.engine_hands_on(t0 + 4 * PUBLISH_INTERVAL_NS), "it stopped calling"
+    # The engine about to idle with the pipe still full: the drain thread's.
+    pipeline.publish_due(t0 + PUBLISH_INTERVAL_NS, force=True, idle=True)
+    assert pipeline.queued == 2 and pipeline._wake.is_set()
     assert not pipeline.engine_hands_on(t0 + PUBLISH_INTERVAL_NS)
     # Room again and the next offer goes through: the engine's queue once more.
     os.read(r, 1 << 16)
@@ -771,11 +778,12 @@ def test_a_stop_request_during_the_pace_ends_the_read_without_waiting_it_out() -
         os.close(w)
 
 
-def test_drain_thread_sleeps_while_the_owner_hands_on_and_wakes_when_declined(pipes) -> None:  # type: ignore[no-untyped-def]
-    """The drain thread shares the owner's GIL at nice 19: while the owner's own
-    hand-offs go through it must not wake on a timer (each wake-up makes the
-    owner wait for it on a busy CPU). A declined offer wakes it at once, and it
-    finishes the owner's work while the owner no longer calls."""
+def test_drain_thread_sleeps_while_the_owner_hands_on_even_when_declined(pipes) -> None:  # type: ignore[no-untyped-def]
+    """The drain thread shares the owner's GIL at nice 19: while the owner calls
+    it must not wake, neither on a timer nor for a declined offer (each wake-up
+    makes the owner wait for it on a busy CPU; with the exporters behind, the
+    owner's offers are declined every interval). The owner's last call before
+    idling with something left wakes it, and it finishes the owner's work."""
     from vllm_journey_otel.engine.pipeline import PUBLISH_INTERVAL_NS, JourneyPipeline
 
     r, w = pipes[0]
@@ -795,20 +803,89 @@ def test_drain_thread_sleeps_while_the_owner_hands_on_and_wakes_when_declined(pi
             time.sleep(0.005)
         assert pipeline.published == 100 and pipeline.queued == 0
         assert wakes == [], f"the drain thread woke {len(wakes)} times"
-        # The exporter falls behind: the owner's offers are declined.
+        # The exporter falls behind: the owner's offers are declined, call after call.
         for size in (1024, 1):
             with contextlib.suppress(BlockingIOError):
                 while True:
                     os.write(w, b"\0" * size)
         for j in journeys(3, start=1000):
             pipeline.submit(j)
-        pipeline.publish_due(t + PUBLISH_INTERVAL_NS, force=True)
-        assert pipeline.queued == 3
-        wait_until(lambda: wakes, 10, 0.01, "the drain thread woken by the decline")
+            t += PUBLISH_INTERVAL_NS
+            pipeline.publish_due(time.monotonic_ns(), force=True)
+            time.sleep(0.05)  # ten of the drain thread's intervals
+        assert pipeline.queued == 3 and pipeline._declined
+        assert wakes == [], f"the drain thread woke {len(wakes)} times while declined"
+        pipeline.publish_due(time.monotonic_ns(), force=True, idle=True)  # about to idle
+        wait_until(lambda: wakes, 10, 0.01, "the drain thread woken by the idle owner")
         reader.start()  # room again; the owner has stopped calling
         wait_until(lambda: pipeline.queued == 0 and pipeline.exported == 3, 10, 0.01, "drained")
     finally:
         pipeline.shutdown(2.0)
+
+
+def test_the_owner_finishes_its_own_partial_frame_before_the_next(pipes) -> None:  # type: ignore[no-untyped-def]
+    """A frame a full pipe took only in part: the owner's next hand-offs write
+    its rest (one non-blocking write each, no drain thread), then the new
+    journeys after it, in order; one that comes while none of the rest fits
+    waits in the queue."""
+    from vllm_journey_otel.engine.pipeline import PUBLISH_INTERVAL_NS, JourneyPipeline
+
+    r, w = pipes[0]
+    fcntl.fcntl(w, F_SETPIPE_SZ, 4096)
+    pipeline = JourneyPipeline(PipeSink(w), start_thread=False)
+    first = journeys(100)
+    for j in first:
+        pipeline.submit(j)
+    t = time.monotonic_ns()
+    pipeline.publish_due(t)
+    assert pipeline.published == 100 and pipeline.sink.pending
+    got = bytearray()
+    late = journeys(2, start=100)
+    pipeline.submit(late[0])
+    t += PUBLISH_INTERVAL_NS
+    pipeline.publish_due(t)  # the pipe still full: declined, left in the queue
+    assert pipeline.queued == 1 and pipeline.sink.pending
+    for j in late[1:]:
+        pipeline.submit(j)
+    while pipeline.sink.pending or pipeline.queued:
+        got += os.read(r, 4096)  # the exporter reads a pipe's worth
+        t += PUBLISH_INTERVAL_NS
+        pipeline.publish_due(t)
+    got += os.read(r, 1 << 16)
+    assert pipeline.published == 102 and pipeline.exported == 0  # all by the owner
+    frames = list(read_frames(io.BytesIO(bytes(got))))
+    assert ids(frames) == [j.request_id for j in first + late]
+
+
+def test_an_owner_that_stops_calling_leaves_its_partial_frame_to_the_drain_thread(pipes) -> None:  # type: ignore[no-untyped-def]
+    """The rest of a frame, and a queue, left by an owner that stopped calling
+    without saying it would (a paused engine): the drain thread writes them at
+    its next maintenance wake-up."""
+    from vllm_journey_otel.engine.pipeline import JourneyPipeline
+
+    r, w = pipes[0]
+    fcntl.fcntl(w, F_SETPIPE_SZ, 4096)
+    pipeline = JourneyPipeline(PipeSink(w), interval_s=0.005, maintain_s=0.2)
+    try:
+        for j in journeys(100):
+            pipeline.submit(j)
+        pipeline.publish_due(time.monotonic_ns())
+        assert pipeline.sink.pending
+        for j in journeys(3, start=100):
+            pipeline.submit(j)
+        got = bytearray()
+
+        def done() -> bool:
+            with contextlib.suppress(BlockingIOError):
+                got.extend(os.read(r, 1 << 16))
+            return not pipeline.left and pipeline.exported == 3
+
+        os.set_blocking(r, False)
+        wait_until(done, 10, 0.01, "the drain thread finished the owner's work")
+    finally:
+        pipeline.shutdown(2.0)
+    frames = list(read_frames(io.BytesIO(bytes(got))))
+    assert ids(frames) == [f"req-{i}" for i in range(103)]
 
 
 def test_the_drain_thread_is_named_where_the_os_shows_threads(pipes) -> None:  # type: ignore[no-untyped-def]
@@ -829,28 +906,24 @@ def test_the_drain_thread_is_named_where_the_os_shows_threads(pipes) -> None:  #
         pipeline.shutdown(1.0)
 
 
-def test_an_offer_declined_while_the_drain_thread_writes_wakes_it_again(pipes) -> None:  # type: ignore[no-untyped-def]
+def test_an_offer_declined_while_the_drain_thread_writes_is_the_owners_next(pipes) -> None:  # type: ignore[no-untyped-def]
     """The owner's offer is declined while the drain thread holds the sink (it
-    is writing the previous batch): that batch must not wait for the next
-    maintenance wake-up (an hour here), the drain thread takes it next."""
+    is writing): the owner's next call hands it on, after what the drain
+    thread wrote, without waking it again."""
     from vllm_journey_otel.engine.pipeline import PUBLISH_INTERVAL_NS, JourneyPipeline
 
     sink = PipeSink(pipes[0][1])
-    pipeline = JourneyPipeline(sink, interval_s=0.005, maintain_s=3600.0)
+    pipeline = JourneyPipeline(sink, start_thread=False)
     first, second = journeys(2)
     t = time.monotonic_ns()
-    try:
-        with sink._lock:  # the sink busy: every offer is declined
-            pipeline.submit(first)
-            pipeline.publish_due(t, force=True)  # declined: wakes the drain thread
-            # ...which takes the queue and waits for the sink's lock.
-            wait_until(lambda: pipeline.queued == 0, 10, 0.005, "the drain thread's pop")
-            pipeline.submit(second)
-            pipeline.publish_due(t + PUBLISH_INTERVAL_NS, force=True)  # declined again
-            assert pipeline.queued == 1
-        wait_until(lambda: pipeline.exported == 2, 10, 0.005, "both journeys handed on")
-    finally:
-        pipeline.shutdown(2.0)
+    with sink._lock:  # the sink busy: every offer is declined
+        pipeline.submit(first)
+        pipeline.publish_due(t, force=True)
+        assert pipeline.queued == 1 and pipeline._declined and not pipeline._wake.is_set()
+    pipeline.submit(second)
+    pipeline.publish_due(t + PUBLISH_INTERVAL_NS)
+    assert pipeline.queued == 0 and pipeline.published == 2 and not pipeline._declined
+    pipeline.shutdown(2.0)
     assert ids(read_all(pipes[0][0])) == ["req-0", "req-1"]
 
 

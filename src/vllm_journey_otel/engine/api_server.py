@@ -13,10 +13,11 @@ the finished :class:`~vllm_journey_otel.journey.ApiJourney` goes to this
 process's pipeline, and the event loop itself hands the pipeline's queue to the
 exporter process (``export/api_spans.py`` builds the spans there): at a request's
 end when the last hand-off is ``PUBLISH_INTERVAL_NS`` old, else from one timer
-that long after. One msgspec encode and one non-blocking write per hand-off; the
-pipeline's drain thread wakes when a write is declined or left bytes pending,
-and otherwise once a second (a thread of ours that wakes in this process takes
-the event loop's GIL: ``pipeline.py``). The span's
+that long after. One msgspec encode and one non-blocking write per hand-off; a
+full pipe's leftovers are retried by the next hand-off, and the pipeline's
+drain thread wakes only when the timer finds no request ended since it was set
+with something still left, and otherwise once a second (a thread of ours that
+wakes in this process takes the event loop's GIL: ``pipeline.py``). The span's
 ids are chosen at receipt and handed to the engine core in the trace headers,
 so the engine's journeys nest under it without a round trip.
 
@@ -56,8 +57,11 @@ _EVENT_STREAM = b"text/event-stream"
 # The request in progress, per asyncio task (tasks copy it: a stream's body
 # task sees the request that started it).
 _CURRENT: ContextVar[ApiRequest | None] = ContextVar("vjo_api_request", default=None)
-# The pending hand-off timer (at most one) and the loop it is on.
-_TIMER: list[tuple[asyncio.AbstractEventLoop, asyncio.TimerHandle]] = []
+# The pending hand-off timer (at most one), the loop it is on, and when the
+# request that set it ended (this process's monotonic ns).
+_TIMER: list[tuple[asyncio.AbstractEventLoop, asyncio.TimerHandle, int]] = []
+# When the last traced request ended (its hand-on), monotonic ns.
+_LAST_END_NS = [0]
 # Engine request id -> its API request, until the engine's last output for it
 # reaches this process (OutputProcessor._finish_request, in another task).
 _BY_ENGINE_ID: dict[str, ApiRequest] = {}
@@ -349,8 +353,14 @@ def _hand_on(target: JourneyPipeline, now_ns: int) -> None:
     """Event loop: hand the queue to the exporter if the last hand-off is old
     enough, else once a timer fires (so the last requests of a burst leave
     within ``PUBLISH_INTERVAL_NS`` too)."""
+    _LAST_END_NS[0] = now_ns
     target.publish_due(now_ns)
-    if not target.queued or not target.sink.takes_offers:
+    _arm(target, now_ns)
+
+
+def _arm(target: JourneyPipeline, now_ns: int) -> None:
+    """One timer on this loop while anything is left to hand on."""
+    if not target.left or not target.sink.takes_offers:
         return  # (thread mode: the drain thread builds the spans, every interval)
     try:
         loop = asyncio.get_running_loop()
@@ -358,15 +368,24 @@ def _hand_on(target: JourneyPipeline, now_ns: int) -> None:
         return
     if _TIMER and _TIMER[0][0] is loop:
         return  # one is pending (a timer of a loop that has closed never fires)
-    _TIMER[:] = [(loop, loop.call_later(PUBLISH_INTERVAL_NS / 1e9, _publish_now))]
+    _TIMER[:] = [(loop, loop.call_later(PUBLISH_INTERVAL_NS / 1e9, _publish_now), now_ns)]
 
 
 def _publish_now() -> None:
+    """The timer: hand on what is left. No request ended since it was set: the
+    last call for a while (``idle``: what the pipe cannot take now is the drain
+    thread's). Else the event loop keeps it: the timer is set again while
+    anything is left (a full pipe: the exporter behind)."""
+    set_ns = _TIMER[0][2] if _TIMER else 0
     _TIMER.clear()
     target = pipeline()  # this process's pipeline now (a test may have replaced it)
     try:
         if target is not None:
-            target.publish_due(time.monotonic_ns(), force=True)
+            now_ns = time.monotonic_ns()
+            idle = _LAST_END_NS[0] <= set_ns
+            target.publish_due(now_ns, force=True, idle=idle)
+            if not idle:
+                _arm(target, now_ns)
     except Exception:
         _fail("API-server hand-off")
 

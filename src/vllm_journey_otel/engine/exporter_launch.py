@@ -15,6 +15,7 @@ CPUs (``export/cpu_placement.py``).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import multiprocessing
 import os
@@ -22,7 +23,9 @@ import subprocess
 import sys
 from collections import deque
 
+from vllm_journey_otel.config import EXPORTER_CPUS, EXPORTER_PROCESSES, QUEUE_SIZE
 from vllm_journey_otel.log import logger
+from vllm_journey_otel.wire import Acks
 
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # Linux
 PIPE_BYTES = 1 << 20
@@ -155,3 +158,54 @@ class Restarts:
         self.count += 1
         self.delay_s = min(MAX_DELAY_S, self.delay_s * 2)
         self.due = now + self.delay_s if more_wanted else None
+
+
+def launch_with_acks(
+    argv: list[str], env: dict[str, str], python: str | None
+) -> tuple[int, int | None, Acks | None]:
+    """One exporter (:func:`launch`) with its ``wire.Acks`` counter,
+    whose fd it gets as its last argument; the pipe's write end, its pid, the counter."""
+    acks = Acks.create()
+    if acks is None:
+        return (*launch(argv, env, python), None)
+    try:
+        fd, pid = launch([*argv, str(acks.fd)], env, python, pass_fds=(acks.fd,))
+    except BaseException:
+        acks.close()
+        raise
+    return fd, pid, acks
+
+
+def launch_exporters(
+    argv: list[str], env: dict[str, str], python: str | None, processes: int
+) -> dict[int, tuple[int | None, Acks | None]]:
+    """``processes`` exporters (:func:`launch_with_acks`): each pipe's write end,
+    in start order, with its exporter's pid and counter. All or none: a failed
+    start closes the pipes of those already started (they see end-of-file)."""
+    started: dict[int, tuple[int | None, Acks | None]] = {}
+    try:
+        for _ in range(processes):
+            fd, pid, acks = launch_with_acks(argv, env, python)
+            started[fd] = (pid, acks)
+    except BaseException:
+        for fd, (_, acks) in started.items():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            if acks is not None:
+                acks.close()
+        raise
+    return started
+
+
+def behind_advice(exporters: int) -> str:
+    """What to change when the pipes stay full: the exporters short of CPU, or
+    a slow backend (they build spans only as fast as they export them; their
+    log says which). A backend that is down shows in their own queues."""
+    return (
+        f"the {exporters} exporter process(es) cannot keep up: short of CPU (the "
+        f"exporter logs 'short of CPU' where vLLM keeps its CPUs busy: give it one of its "
+        f"own, {EXPORTER_CPUS}; one builds and exports ~6,000 journeys/s on a free core, "
+        f"more of them help with free cores only: {EXPORTER_PROCESSES}) or a slow backend "
+        f"(it logs 'export is slower than the traffic'); or lower the sampling ratio, or "
+        f"raise {QUEUE_SIZE} for bursts"
+    )

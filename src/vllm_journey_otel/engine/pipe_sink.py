@@ -24,37 +24,24 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from vllm_journey_otel.config import EXPORTER_CPUS, EXPORTER_PROCESSES, QUEUE_SIZE
-from vllm_journey_otel.engine.exporter_launch import Restarts, launch, placement_roots
+from vllm_journey_otel.engine.exporter_launch import (
+    Restarts,
+    behind_advice,
+    launch_exporters,
+    launch_with_acks,
+    placement_roots,
+)
 from vllm_journey_otel.engine.pipe_room import any_room
 from vllm_journey_otel.journey import Record
 from vllm_journey_otel.log import logger
 from vllm_journey_otel.losses import Loss, LossAccount
 from vllm_journey_otel.wire import ENCODER, FRAME_HEADER, Acks, Frame
 
-# The drain thread's maintain() waits at most this long for the sink's lock.
-DRAIN_LOCK_S = 0.2
+DRAIN_LOCK_S = 0.2  # the drain thread's maintain() waits this long for the lock, at most
 
 
 class FrameLost(Exception):
-    """A frame could not be delivered to any exporter (whoever catches it counts
-    its records in the loss account)."""
-
-
-def _launch(
-    argv: list[str], env: dict[str, str], python: str | None
-) -> tuple[int, int | None, Acks | None]:
-    """One exporter (``exporter_launch.launch``) with its ``wire.Acks`` counter,
-    whose fd it gets as its last argument; the pipe's write end, its pid, the counter."""
-    acks = Acks.create()
-    if acks is None:
-        return (*launch(argv, env, python), None)
-    try:
-        fd, pid = launch([*argv, str(acks.fd)], env, python, pass_fds=(acks.fd,))
-    except BaseException:
-        acks.close()
-        raise
-    return fd, pid, acks
+    """A frame could not be delivered to any exporter (the catcher counts its records)."""
 
 
 class PipeSink:
@@ -70,7 +57,9 @@ class PipeSink:
     queue), so plain turns would load one exporter with all the big ones. If
     every pipe is full, or the drain thread is writing, the offer is declined and
     the journeys take the queue; bytes an offer could only partly write are
-    finished by the drain thread, which may block (the engine thread never does).
+    written by the owner's next offers, one non-blocking write each, before a
+    new frame, and by the drain thread (which may block, the owner never does)
+    only when the owner stops handing on.
 
     An exporter that is gone (its pipe broke, seen by a write or by the drain
     thread's :meth:`maintain`) is left out and, when the sink was started with
@@ -154,29 +143,13 @@ class PipeSink:
             ",".join(str(pid) for pid in placement_roots()),
         ]
         child_env = dict(os.environ if env is None else env)
-        fds: list[int] = []
-        pids: list[int] = []
-        pid_of: dict[int, int | None] = {}
-        acks: dict[int, Acks | None] = {}
-        try:
-            for _ in range(max(1, processes)):
-                fd, pid, acks[fd] = _launch(argv, child_env, python)
-                fds.append(fd)
-                pid_of[fd] = pid
-                if pid is not None:
-                    pids.append(pid)
-        except BaseException:
-            for fd in fds:  # EOF: the ones already started exit
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-                counter = acks.get(fd)
-                if counter is not None:
-                    counter.close()
-            raise
-        sink = cls(fds, pids[0] if pids else None)
+        acks = launch_exporters(argv, child_env, python, max(1, processes))
+        pid_of = {fd: pid for fd, (pid, _) in acks.items()}
+        pids = [pid for pid in pid_of.values() if pid is not None]
+        sink = cls(list(acks), pids[0] if pids else None)
         sink.pids = pids
         sink._pid_of = pid_of
-        sink._acks = acks
+        sink._acks = {fd: counter for fd, (_, counter) in acks.items()}
         sink._recipe = (argv, child_env, python)
         return sink
 
@@ -265,7 +238,7 @@ class PipeSink:
             return
         argv, env, python = self._recipe
         try:
-            fd, pid, acks = _launch(argv, env, python)
+            fd, pid, acks = launch_with_acks(argv, env, python)
         except Exception:
             self.restarts.did_start(now, more_wanted=True)
             logger.warning(
@@ -316,31 +289,29 @@ class PipeSink:
 
     @property
     def drop_advice(self) -> str:
-        # Drops here mean the pipes stayed full: exporters short of CPU, or a
-        # slow backend (they build spans only as fast as they export them; their
-        # log says which). A backend that is down shows in their own queues.
-        return (
-            f"the {len(self._fds)} exporter process(es) cannot keep up: short of CPU (the "
-            f"exporter logs 'short of CPU' where vLLM keeps its CPUs busy: give it one of its "
-            f"own, {EXPORTER_CPUS}; one builds and exports ~6,000 journeys/s on a free core, "
-            f"more of them help with free cores only: {EXPORTER_PROCESSES}) or a slow backend "
-            f"(it logs 'export is slower than the traffic'); or lower the sampling ratio, or "
-            f"raise {QUEUE_SIZE} for bursts"
-        )
+        return behind_advice(len(self._fds))
 
     def may_take(self) -> bool:
         # Without the lock, a hint (offer decides under it): an exporter lost
         # meanwhile makes the poll say "room" (POLLNVAL), and offer then declines.
-        return not (self.broken or self._pending or self._lock.locked()) and any_room(self._fds)
+        # A partial frame's rest goes first, to its own exporter.
+        if self.broken or self._lock.locked():
+            return False
+        started = self._pending and self._pending_fd >= 0
+        return any_room([self._pending_fd] if started else self._fds)
 
     def offer(self, batch: Sequence[Record], engine_dropped: int = 0) -> bool:
         # Each frame carries this process's ``losses.carried``, the pipeline's
         # ``engine_dropped`` too (one account): the argument is not needed here.
-        if self.broken or not batch or not self._lock.acquire(blocking=False):
+        if self.broken or not self._lock.acquire(blocking=False):
             return False
         try:
-            if self._pending or not any_room(self._fds):  # a partial frame first; no encode
-                return False  # for nothing where every pipe is full (pipe_room.py)
+            if self._pending and not self._resume_now():  # a partial frame's rest first
+                return False
+            if not batch:
+                return True
+            if not any_room(self._fds):  # no encode for nothing (pipe_room.py)
+                return False
             data = self._frame(batch, self.losses.carried)
             for fd in self._rotation():
                 try:
@@ -362,6 +333,34 @@ class PipeSink:
             return False
         finally:
             self._lock.release()
+
+    def _resume_now(self) -> bool:
+        """Under ``_lock``, the owner's thread: one non-blocking write of a
+        frame's rest to its exporter (-1: none of it written yet, to any with
+        room); True once it is whole (or lost with its exporter, counted). The
+        drain thread, whose wake-ups take the GIL from the owner, stays asleep."""
+        for fd in [self._pending_fd] if self._pending_fd >= 0 else self._rotation():
+            try:
+                n = os.write(fd, self._pending)
+            except BlockingIOError:
+                continue
+            except OSError:  # its exporter is gone: a started frame's rest with it, counted
+                self._lost_exporter(fd)
+                if self._pending:
+                    continue
+                return True
+            break
+        else:
+            return False
+        self._pending_fd = fd
+        self._sent[fd] += n
+        if n < len(self._pending):
+            self._pending = self._pending[n:]
+            return False
+        with self._held_lock:
+            _, journeys, _ = self._take_pending()
+        self._records_sent[fd] += journeys
+        return True
 
     def note_held(self, queued: int) -> None:
         """The owner still holds ``queued`` finished journeys: with a frame not

@@ -8,13 +8,17 @@ owner hands the queue to the sink itself, at a moment it chooses (the end of a
 step; an API request's end, or a timer on the event loop): ``publish_due``, at
 most every ``PUBLISH_INTERVAL_NS``, only if that cannot block.
 
+While the owner keeps calling, a declined hand-off (every exporter pipe full)
+and the rest of a frame that a pipe could take only in part are the owner's
+own to retry at its next call: one non-blocking write each.
+
 A daemon thread ("vllm-journey-otel"; ``journey-drain`` where the OS shows
-threads) is the backstop. It sleeps until the owner
-needs it (its offer was declined: every exporter pipe is full; or bytes of a
-frame are left pending), and otherwise wakes once every ``MAINTAIN_S`` to notice
-and replace a lost exporter, to take in-flight snapshots, and to drain a queue
-the owner left behind (it stopped stepping). It never wakes on a timer that
-the owner's hand-off makes useless: it runs at nice 19 and shares the process's
+threads) is the backstop. It sleeps until the owner says it is about to idle
+with something left (``publish_due(idle=True)``), and otherwise wakes once
+every ``MAINTAIN_S`` to notice and replace a lost exporter, to take in-flight
+snapshots, and to drain what an owner left behind (it stopped calling). It
+never wakes on a timer that the owner's hand-off makes useless, not even while
+the exporters are behind: it runs at nice 19 and shares the process's
 GIL, and on a saturated CPU every wake-up of such a thread makes the owner wait
 for it (CPython hands the GIL to a waiting thread and waits until that thread
 has run, however long the kernel keeps it in the run queue; docs/performance.md,
@@ -62,11 +66,13 @@ class Sink(Protocol):
         the queue stays where it is."""
 
     def offer(self, batch: Sequence[Record], engine_dropped: int = 0) -> bool:
-        """The owner's thread: take the batch now if that cannot block; False = queue it."""
+        """The owner's thread: take the batch now if that cannot block; False = queue it.
+        The rest of a partial frame goes first (an empty batch: only that)."""
 
     @property
     def pending(self) -> bool:
-        """Whether bytes taken by ``offer`` still wait for the drain thread."""
+        """Whether bytes taken by ``offer`` still wait to be written (the
+        owner's next offer, or the drain thread once the owner stops)."""
 
     @property
     def takes_offers(self) -> bool:
@@ -173,6 +179,8 @@ class JourneyPipeline:
         # (engine monotonic clock): the engine's last call, and whether its last
         # offer was declined.
         self._engine_seen_ns = 0
+        # Set by the owner's last call when it said no call would follow soon.
+        self._owner_idle = False
         # A sink that never takes offers (span building in this process): the
         # drain thread does all the work, the engine thread none.
         self._offers = sink.takes_offers
@@ -204,7 +212,7 @@ class JourneyPipeline:
             return
         self._queue.append(journey)
 
-    def publish_due(self, now_ns: int, force: bool = False) -> None:
+    def publish_due(self, now_ns: int, force: bool = False, idle: bool = False) -> None:
         """The owner (the engine thread at the end of a step; the API server's
         event loop): hand the queue to the sink now, at most once per
         ``PUBLISH_INTERVAL_NS``, if that cannot block.
@@ -215,27 +223,38 @@ class JourneyPipeline:
         under load, and at once when the engine is about to idle: an abrupt
         kill of a busy engine core loses at most the last 50 ms. (A frame has
         a fixed cost, cold, of about 50 us on the engine thread, which more
-        journeys share at 50 ms than at 25; docs/performance.md.) Whatever
-        is declined or left waits for the drain thread, which this wakes.
+        journeys share at 50 ms than at 25; docs/performance.md.) A frame's rest
+        that a full pipe left is written first, at the next call. While the
+        owner calls, whatever is declined or left is its own to retry: the drain
+        thread sleeps (each wake-up of it would take the GIL from the owner).
         ``force`` skips the interval (the engine is about to idle, the API
-        server's timer fired: no later call would hand these on soon).
+        server's timer fired). ``idle``: no later call will come soon (the
+        engine about to idle, the API server's timer with no request ended
+        since it was set); what is left is then the drain thread's, woken here.
         """
         self._engine_seen_ns = now_ns
+        self._owner_idle = idle
         queue = self._queue
         if (
-            not queue
-            or not self._offers
-            or (not force and now_ns - self._last_publish_ns < PUBLISH_INTERVAL_NS)
+            (queue or self.sink.pending)
+            and self._offers
+            and (force or now_ns - self._last_publish_ns >= PUBLISH_INTERVAL_NS)
         ):
-            return
+            self._hand_on(now_ns)
+        if idle and (queue or self.sink.pending):
+            self._wake.set()
+
+    def _hand_on(self, now_ns: int) -> None:
         self._last_publish_ns = now_ns
         self.due_ns = now_ns + PUBLISH_INTERVAL_NS
+        queue = self._queue
         if not self.sink.may_take():
-            # Every pipe full, or a frame's rest pending: the queue stays put.
-            # Taking a full queue out and back is O(queue), 0.3 ms or more of the
-            # owner's at 16,384 journeys, every interval while the exporters
-            # are behind (docs/performance.md, "vLLM's spin-waits and the exporter").
-            self._decline()
+            # Every pipe full, or a frame's rest that cannot go on yet: the
+            # queue stays put. Taking a full queue out and back is O(queue),
+            # 0.3 ms or more of the owner's at 16,384 journeys, every interval
+            # while the exporters are behind (docs/performance.md, "vLLM's
+            # spin-waits and the exporter").
+            self._declined = True
             self._note_held()
             return
         batch: list[Record] = []
@@ -247,28 +266,17 @@ class JourneyPipeline:
             except IndexError:
                 pass  # empty (the drain thread may have taken some: each goes once)
             self._owner_in_hand = len(batch)
-            if not batch:
-                return
             if self.sink.offer(batch, self.losses.carried):
                 self.published += len(batch)
                 self._declined = False
-                if self.sink.pending:  # the rest of the frame is the drain thread's
-                    self._wake.set()
             else:
                 with self._held_lock:  # back in the queue and out of hand at once
                     queue.extendleft(reversed(batch))
                     self._owner_in_hand = 0
-                self._decline()
+                self._declined = True
         finally:
             self._owner_in_hand = 0  # the sink's now, or back in the queue
         self._note_held()
-
-    def _decline(self) -> None:
-        """The owner's thread: its offer was (or would be) declined; the drain
-        thread takes over."""
-        if not self._declined:  # once per episode: each set() is a lock round
-            self._declined = True
-            self._wake.set()
 
     def _note_held(self) -> None:
         """Owner or drain thread, after moving journeys: what is still held, for
@@ -292,8 +300,13 @@ class JourneyPipeline:
         due = time.monotonic() + self._maintain_s
         while True:
             # Every interval only while it has the owner's work (or a lost
-            # exporter's replacement) to do.
-            busy = not self._offers or self._declined or self.sink.pending or self.sink.replacing
+            # exporter's replacement) to do: while the owner calls, it retries
+            # its own declined hand-offs and partial frames.
+            busy = (
+                not self._offers
+                or self.sink.replacing
+                or ((self._declined or self.sink.pending) and not self.engine_hands_on())
+            )
             wait = self._interval_s if busy else max(0.0, due - time.monotonic())
             self._wake.wait(wait)
             self._wake.clear()
@@ -347,16 +360,16 @@ class JourneyPipeline:
                 )
 
     def engine_hands_on(self, now_ns: int | None = None) -> bool:
-        """Drain thread: whether the owner is handing on (it called
-        :meth:`publish_due` within three intervals: the engine thread calls it
-        at the first step's end after ``due_ns``) and its last offer went through,
-        with no partial frame left. Then whatever is queued is the engine's to
-        hand on at its next due step, and the drain thread leaves it:
-        every drain takes the GIL from the engine thread, and would split the
-        engine's frames. Otherwise (offers declined, bytes pending, an engine
-        that stopped stepping or a sink that never takes offers) it drains.
+        """Drain thread: whether the owner is handing on: it called
+        :meth:`publish_due` within three intervals (the engine thread calls it
+        at the first step's end after ``due_ns``) and did not say it was about
+        to idle. Then whatever is queued, declined or left of a frame is the
+        owner's to hand on at its next call, and the drain thread leaves it:
+        every drain takes the GIL from the owner, and would split its frames.
+        Otherwise (an owner idle or stopped, or a sink that never takes
+        offers) it drains.
         """
-        if self._declined or self.sink.pending:
+        if self._owner_idle or not self._offers:
             return False
         now_ns = time.monotonic_ns() if now_ns is None else now_ns
         return now_ns - self._engine_seen_ns < 3 * PUBLISH_INTERVAL_NS
@@ -472,5 +485,11 @@ class JourneyPipeline:
 
     @property
     def queued(self) -> int:
-        """Journeys waiting for the drain thread."""
+        """Journeys waiting to be handed on."""
         return len(self._queue)
+
+    @property
+    def left(self) -> bool:
+        """Journeys queued, or a frame's rest not yet written: the owner's next
+        call hands them on (or the drain thread, once the owner is idle)."""
+        return bool(self._queue) or self.sink.pending

@@ -390,12 +390,14 @@ class SchedulerTracker(QueueWaits, StepView):
         # without stepping again (nothing finished in its last step) leaves
         # the queue to the drain thread, within a second.
         pl, s = self.pipeline, self.scheduler
-        if t >= pl.due_ns or (
-            pl.queued
+        if t >= pl.due_ns:
+            pl.publish_due(t, force=True)
+        if (
+            pl.left
             and (not s.running or self.pause_field is None or getattr(s, self.pause_field))
             and not s.has_unfinished_requests()
         ):
-            pl.publish_due(t, force=True)
+            pl.publish_due(t, force=True, idle=True)  # what is left then: the drain thread's
         awaiting = self.awaiting
         if not awaiting:
             return
@@ -464,7 +466,9 @@ class SchedulerTracker(QueueWaits, StepView):
                 return  # handed on when vLLM frees its KV blocks
         self.pipeline.submit(finished)
         if not self.in_update:
-            self.pipeline.publish_due(t, force=True)  # an abort between steps
+            # An abort between steps: the last call before vLLM idles, if nothing is left.
+            idle = not self.scheduler.has_unfinished_requests()
+            self.pipeline.publish_due(t, force=True, idle=idle)
 
 
 def _vllm_drafts(request: Any, j: RequestJourney) -> None:
