@@ -28,6 +28,7 @@ unit are recorded. Modes, in rotating blocks in one run:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -61,6 +62,14 @@ def drain_reader(fd: int) -> None:
         pass
 
 
+def slow_reader(fd: int, cpu: int) -> None:
+    """An exporter that is behind (short of CPU): 4 KiB every 50 ms, on the
+    other CPU, in its own process (a thread here would take the owner's GIL)."""
+    os.sched_setaffinity(0, {cpu})
+    while os.read(fd, 4096):
+        time.sleep(0.05)
+
+
 def block(mode: str, units: int) -> tuple[float, float]:
     """Wall and CPU µs per unit of the owner thread in one block of ``mode``."""
     from vllm_journey_otel.engine.pipe_sink import PipeSink
@@ -68,12 +77,20 @@ def block(mode: str, units: int) -> tuple[float, float]:
 
     pipeline: JourneyPipeline | None = None
     r = w = -1
-    if mode in ("wake-50ms", "on-demand"):
+    reader: threading.Thread | multiprocessing.Process
+    if mode in ("wake-50ms", "on-demand", "behind"):
         r, w = os.pipe()
-        reader = threading.Thread(target=drain_reader, args=(r,), daemon=True)
+        if mode == "behind":
+            reader = multiprocessing.Process(target=slow_reader, args=(r, other_cpu()))
+        else:
+            reader = threading.Thread(target=drain_reader, args=(r,), daemon=True)
         reader.start()
         kw: dict[str, Any] = {"maintain_s": 0.05} if mode == "wake-50ms" else {}
         pipeline = JourneyPipeline(PipeSink(w), **kw)
+        if mode == "behind":  # the pipe full from the start, as after a while behind
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    os.write(w, b"\0" * 4096)
     finished = iter(journeys(units // 50 + 1))
     t0, c0 = time.perf_counter(), time.thread_time()
     for i in range(units):
@@ -84,10 +101,18 @@ def block(mode: str, units: int) -> tuple[float, float]:
             pipeline.publish_due(time.monotonic_ns())  # hands on every PUBLISH_INTERVAL_NS
     wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
     if pipeline is not None:
+        pipeline._queue.clear()  # (behind: what is queued would take minutes to read)
         pipeline.shutdown(1.0)  # closes the write end: the reader sees end-of-file
+        if isinstance(reader, multiprocessing.Process):
+            reader.kill()
         reader.join(5.0)
         os.close(r)
     return wall / units * 1e6, cpu / units * 1e6
+
+
+def other_cpu() -> int:
+    mine = os.sched_getaffinity(0)
+    return min((set(range(os.cpu_count() or 1)) - mine) or mine)
 
 
 def main() -> None:
@@ -96,19 +121,21 @@ def main() -> None:
     p.add_argument("--units", type=int, default=60000, help="about 2 s of work a block")
     p.add_argument("--competitors", type=int, default=1)
     p.add_argument("--cpu", type=int, default=max(os.sched_getaffinity(0)))
+    p.add_argument("--modes", type=lambda text: text.split(","),
+                   default=["off", "off-2", "wake-50ms", "on-demand"])  # fmt: skip
     args = p.parse_args()
     os.sched_setaffinity(0, {args.cpu})
     rivals = [multiprocessing.Process(target=spin, daemon=True) for _ in range(args.competitors)]
     for rival in rivals:
         rival.start()  # inherits the affinity: the same CPU
-    modes = ["off", "off-2", "wake-50ms", "on-demand"]
+    modes = args.modes
     wall: dict[str, list[float]] = {m: [] for m in modes}
     cpu: dict[str, list[float]] = {m: [] for m in modes}
     try:
         for m in modes:
             block(m, args.units // 4)  # warm-up
         for b in range(args.blocks):
-            for m in modes[b % 4 :] + modes[: b % 4]:
+            for m in modes[b % len(modes) :] + modes[: b % len(modes)]:
                 a, c = block(m, args.units)
                 wall[m].append(a)
                 cpu[m].append(c)

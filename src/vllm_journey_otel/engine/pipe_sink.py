@@ -85,7 +85,7 @@ class PipeSink:
         self._sent = dict.fromkeys(self._fds, 0)  # bytes written to each pipe
         # The rest of a frame whose start went to ``_pending_fd`` (-1: to none yet),
         # and how many journeys it holds.
-        self._pending = b""
+        self._pending: bytes | memoryview = b""
         self._pending_fd = -1
         self._pending_journeys = 0
         # Per pipe: records in the frames written whole to it, and its exporter's
@@ -354,8 +354,8 @@ class PipeSink:
             return False
         self._pending_fd = fd
         self._sent[fd] += n
-        if n < len(self._pending):
-            self._pending = self._pending[n:]
+        if n < len(self._pending):  # a view: no copy of a long rest per write
+            self._pending = memoryview(self._pending)[n:]
             return False
         with self._held_lock:
             _, journeys, _ = self._take_pending()
@@ -385,7 +385,7 @@ class PipeSink:
                 self._held_noted = (counter, held)
 
     def _write_frame(
-        self, data: bytes, journeys: int, fd: int = -1, deadline: float | None = None
+        self, data: bytes | memoryview, journeys: int, fd: int = -1, deadline: float | None = None
     ) -> bool:
         """Write one frame: the rest of a partial one to its ``fd``, a new one (-1)
         to the first exporter with room. Blocks until done or ``deadline``; False
@@ -426,7 +426,7 @@ class PipeSink:
                 select.select([], [t for t in targets if t in self._fds], [], min(wait, 1.0))
         return True
 
-    def _take_pending(self) -> tuple[bytes, int, int]:
+    def _take_pending(self) -> tuple[bytes | memoryview, int, int]:
         pending = self._pending, self._pending_journeys, self._pending_fd
         self._pending, self._pending_journeys, self._pending_fd = b"", 0, -1
         return pending
@@ -464,7 +464,7 @@ class PipeSink:
                     # to the same exporter, with the next write. Nothing is lost.
                     if batch:
                         frame = self._frame(batch, self.losses.carried)
-                        self._pending += frame
+                        self._pending = bytes(self._pending) + frame
                         self._pending_journeys += len(batch)
                     return 0
             if batch:
