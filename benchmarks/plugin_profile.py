@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import linecache
 import math
 import shutil
 import subprocess
@@ -66,12 +67,26 @@ OURS = "vllm_journey_otel/"
 SERVED = ("vllm/", "starlette/", "fastapi/", "uvicorn/", "pydantic", "prometheus_fastapi")
 # Innermost functions of a thread that waits (not running, whatever py-spy says).
 WAITS = frozenset(("wait", "select", "poll", "_recv_msg", "sleep"))
+# Calls into C that block, on the innermost Python frame's line: py-spy shows
+# no frame for them (the drain thread's select on a full pipe is its line in
+# pipe_sink.py), so the line's own text says the thread waits there.
+BLOCKING_CALLS = ("select.select(", "select.poll(", ".wait(", "time.sleep(", ".acquire(")
 PROCESSES = ("api_server", "engine_core")
+
+
+def _blocks(frame: str) -> bool:
+    """Whether the frame (``function (path:line)``) stands on a blocking call."""
+    where = frame[frame.rfind("(") + 1 :].rstrip(")")
+    path, _, line = where.rpartition(":")
+    if not line.isdigit() or OURS not in path:
+        return False
+    text = linecache.getline(str(ROOT / "src" / path[path.find(OURS) :]), int(line))
+    return any(call in text for call in BLOCKING_CALLS)
 
 
 def classify(stack: list[str]) -> tuple[str, str | None]:
     """("wait" | "ours" | "vllm", our deepest frame where it is ours)."""
-    if stack[-1].split(" (", 1)[0].rsplit(".", 1)[-1] in WAITS:
+    if stack[-1].split(" (", 1)[0].rsplit(".", 1)[-1] in WAITS or _blocks(stack[-1]):
         return "wait", None
     mine = [i for i, frame in enumerate(stack) if OURS in frame]
     if not mine:

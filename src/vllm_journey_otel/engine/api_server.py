@@ -60,7 +60,7 @@ _CURRENT: ContextVar[ApiRequest | None] = ContextVar("vjo_api_request", default=
 # The pending hand-off timer (at most one), the loop it is on, and when the
 # request that set it ended (this process's monotonic ns).
 _TIMER: list[tuple[asyncio.AbstractEventLoop, asyncio.TimerHandle, int]] = []
-# When the last traced request ended (its hand-on), monotonic ns.
+# When the last request ended (traced or not), monotonic ns.
 _LAST_END_NS = [0]
 # Engine request id -> its API request, until the engine's last output for it
 # reaches this process (OutputProcessor._finish_request, in another task).
@@ -325,7 +325,7 @@ async def _over_receive() -> Message:
 
 
 def _finish(req: ApiRequest) -> None:
-    now_ns = time.monotonic_ns()
+    now_ns = _LAST_END_NS[0] = time.monotonic_ns()  # sampled or not: traffic
     req.done = True
     # The server's send and receive are the connection's: a task that outlives
     # the request (vLLM's output handler copies the context of the request that
@@ -353,7 +353,6 @@ def _hand_on(target: JourneyPipeline, now_ns: int) -> None:
     """Event loop: hand the queue to the exporter if the last hand-off is old
     enough, else once a timer fires (so the last requests of a burst leave
     within ``PUBLISH_INTERVAL_NS`` too)."""
-    _LAST_END_NS[0] = now_ns
     target.publish_due(now_ns)
     _arm(target, now_ns)
 
