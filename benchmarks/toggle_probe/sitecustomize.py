@@ -24,9 +24,11 @@ applies it to this process's plugin:
   threads offering their CPU once per N µs of work instead of the default's;
 * ``off`` (and ``off-2``): tracing off, as after an internal error
   (``state._fail``): every wrapper calls vLLM's own method at once, and the
-  engine's trackers drop what they held. What stays of the plugin: one check
-  per wrapped call, the drain threads (a wake-up a second) and the idle
-  exporter processes.
+  engine's trackers drop what they held; so does each pipeline (its queue and
+  a frame's unwritten rest: with the exporters behind, a drain thread
+  retrying them would charge an off window with the on windows' work). What
+  stays of the plugin: one check per wrapped call, the drain threads (a
+  wake-up a second) and the exporter processes (with what they were sent).
 
 A process whose plugin failed for real is never switched back on. The plugin
 must start with the API-server spans on (its middleware is installed when the
@@ -75,6 +77,25 @@ def _pace_in_exporter(state: str) -> None:
     Pacer.__call__, Pacer.restart = call, restart
 
 
+def _forget_backlog(pipeline) -> None:
+    """Without the plugin there is no backlog: what the windows before left
+    queued or half-written (exporters behind: their pipes full) is dropped, so
+    that an off window's drain thread has nothing to retry (the plugin's cost
+    falls on its own windows). The pipe's bytes stay the exporter's."""
+    if pipeline is None:
+        return
+    pipeline._queue.clear()
+    sink = pipeline.sink
+    lock = getattr(sink, "_lock", None)
+    if lock is not None and lock.acquire(timeout=0.5):
+        try:
+            if getattr(sink, "_pending", b""):
+                sink._take_pending()
+        finally:
+            lock.release()
+    pipeline._declined = False
+
+
 if _STATE_FILE:
 
     def _switch(signum: int, frame: object) -> None:
@@ -96,6 +117,7 @@ if _STATE_FILE:
             _STATE.enabled = False
             for tracker in list(_STATE.trackers):
                 tracker.drop_state()
+            _forget_backlog(_STATE.pipeline)
             return
         api = state in ("on", "api-norecord", "exp-stopped", "unpaced") or state.startswith(
             "paced-"
