@@ -70,7 +70,7 @@ WAITS = frozenset(("wait", "select", "poll", "_recv_msg", "sleep"))
 # Calls into C that block, on the innermost Python frame's line: py-spy shows
 # no frame for them (the drain thread's select on a full pipe is its line in
 # pipe_sink.py), so the line's own text says the thread waits there.
-BLOCKING_CALLS = ("select.select(", "select.poll(", ".wait(", "time.sleep(", ".acquire(")
+BLOCKING_CALLS = ("select.select(", ".wait(", "time.sleep(", ".acquire(timeout")
 PROCESSES = ("api_server", "engine_core")
 
 

@@ -24,9 +24,10 @@ applies it to this process's plugin:
   threads offering their CPU once per N µs of work instead of the default's;
 * ``off`` (and ``off-2``): tracing off, as after an internal error
   (``state._fail``): every wrapper calls vLLM's own method at once, and the
-  engine's trackers drop what they held; so does each pipeline (its queue and
-  a frame's unwritten rest: with the exporters behind, a drain thread
-  retrying them would charge an off window with the on windows' work). What
+  engine's trackers drop what they held; so does each pipeline (its queue,
+  and a frame none of which was written: with the exporters behind, a drain
+  thread retrying them would charge an off window with the on windows'
+  work; a started frame's rest stays, for the exporter's stream). What
   stays of the plugin: one check per wrapped call, the drain threads (a
   wake-up a second) and the exporter processes (with what they were sent).
 
@@ -79,17 +80,20 @@ def _pace_in_exporter(state: str) -> None:
 
 def _forget_backlog(pipeline) -> None:
     """Without the plugin there is no backlog: what the windows before left
-    queued or half-written (exporters behind: their pipes full) is dropped, so
-    that an off window's drain thread has nothing to retry (the plugin's cost
-    falls on its own windows). The pipe's bytes stay the exporter's."""
+    queued (exporters behind: their pipes full) is dropped, and so is a frame
+    none of which was written yet, so that an off window's drain thread has
+    next to nothing to retry (the plugin's cost falls on its own windows). The
+    rest of a frame whose start is in a pipe stays (dropping it would break
+    the exporter's stream): at most one frame's rest per process."""
     if pipeline is None:
         return
     pipeline._queue.clear()
     sink = pipeline.sink
     lock = getattr(sink, "_lock", None)
-    if lock is not None and lock.acquire(timeout=0.5):
+    # Not blocking: this handler may have interrupted the owner inside offer().
+    if lock is not None and lock.acquire(blocking=False):
         try:
-            if getattr(sink, "_pending", b""):
+            if getattr(sink, "_pending", b"") and sink._pending_fd < 0:
                 sink._take_pending()
         finally:
             lock.release()

@@ -96,7 +96,7 @@ def test_event_loop_hands_on_every_record_the_burst_tail_by_its_timer(served) ->
     assert pipeline.published == 40 and pipeline.exported == 0 and pipeline.queued == 0
 
 
-def test_a_full_pipe_is_the_event_loops_to_retry_until_the_requests_stop(served) -> None:  # type: ignore[no-untyped-def]
+def test_a_full_pipe_is_the_event_loops_to_retry_while_requests_end(served, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The exporter behind (its pipe full): while requests keep ending, the
     event loop retries the hand-off itself (its timer set again while anything
     is left) and the drain thread never wakes (each wake-up takes the loop's
@@ -109,6 +109,9 @@ def test_a_full_pipe_is_the_event_loops_to_retry_until_the_requests_stop(served)
     from vllm_journey_otel.engine.exporter_launch import F_SETPIPE_SZ
 
     app, pipeline, r = served
+    # The timer's interval long against the gaps between two requests' ends
+    # here (10 ms, and whatever a loaded machine adds): none finds them idle.
+    monkeypatch.setattr(api_server, "PUBLISH_INTERVAL_NS", 300_000_000)
     w = pipeline.sink._fds[0]
     fcntl.fcntl(w, F_SETPIPE_SZ, 4096)
     os.write(w, b"\0" * 4096)  # the pipe full
@@ -118,11 +121,11 @@ def test_a_full_pipe_is_the_event_loops_to_retry_until_the_requests_stop(served)
     async def traffic() -> None:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            for _ in range(40):  # 0.4 s, a request every 10 ms: eight hand-off intervals
+            for _ in range(80):  # a request every 10 ms: the timer's turn comes three times
                 reply = await client.post("/v1/completions", json={"prompt": "p"})
                 assert reply.status_code == 200
                 await asyncio.sleep(0.01)
-            assert pipeline.queued == 40 and pipeline._declined
+            assert pipeline.queued == 80 and pipeline._declined
             assert wakes == [], f"the drain thread woke {len(wakes)} times while requests ended"
             # No request from now on: the timer's next turn leaves them to the drain thread.
             deadline = time.monotonic() + 10
@@ -134,15 +137,15 @@ def test_a_full_pipe_is_the_event_loops_to_retry_until_the_requests_stop(served)
     assert len(os.read(r, 4096)) == 4096  # the exporter reads: room again
     os.set_blocking(r, False)
     data, deadline = b"", time.monotonic() + 10
-    while time.monotonic() < deadline and (pipeline.left or pipeline.exported < 40 or not data):
+    while time.monotonic() < deadline and (pipeline.left or pipeline.exported < 80 or not data):
         with contextlib.suppress(BlockingIOError):
             data += os.read(r, 1 << 16)
         time.sleep(0.01)
     with contextlib.suppress(BlockingIOError):
         data += os.read(r, 1 << 16)  # what the last write left
     got = [j for f in read_frames(io.BytesIO(data)) for j in f.journeys]
-    assert sorted(j.request_ids[0] for j in got) == sorted(f"cmpl-{i}" for i in range(40))
-    assert pipeline.exported == 40 and pipeline.published == 0
+    assert sorted(j.request_ids[0] for j in got) == sorted(f"cmpl-{i}" for i in range(80))
+    assert pipeline.exported == 80 and pipeline.published == 0
 
 
 @requires_vllm

@@ -463,10 +463,10 @@ def test_drop_warning_names_the_lever_of_each_sink(caplog: pytest.LogCaptureFixt
 
 
 def test_drain_thread_leaves_the_queue_to_a_stepping_engine(pipes) -> None:  # type: ignore[no-untyped-def]
-    """The drain thread is a backstop: while the engine thread calls publish_due
-    and its offers go through, the queue is the engine's (a drain would take the
-    GIL from it and split its frames); after a declined offer, with bytes
-    pending, or when the engine stopped stepping, the drain thread takes over."""
+    """The drain thread is a backstop: while the engine thread calls publish_due,
+    the queue is the engine's, declined offers and a frame's rest too (a drain
+    would take the GIL from it and split its frames); when the engine says it
+    is about to idle, or stopped calling, the drain thread takes over."""
     from vllm_journey_otel.engine.pipeline import PUBLISH_INTERVAL_NS, JourneyPipeline
 
     r, w = pipes[0]
@@ -810,7 +810,6 @@ def test_drain_thread_sleeps_while_the_owner_hands_on_even_when_declined(pipes) 
                     os.write(w, b"\0" * size)
         for j in journeys(3, start=1000):
             pipeline.submit(j)
-            t += PUBLISH_INTERVAL_NS
             pipeline.publish_due(time.monotonic_ns(), force=True)
             time.sleep(0.05)  # ten of the drain thread's intervals
         assert pipeline.queued == 3 and pipeline._declined
@@ -818,7 +817,7 @@ def test_drain_thread_sleeps_while_the_owner_hands_on_even_when_declined(pipes) 
         pipeline.publish_due(time.monotonic_ns(), force=True, idle=True)  # about to idle
         wait_until(lambda: wakes, 10, 0.01, "the drain thread woken by the idle owner")
         reader.start()  # room again; the owner has stopped calling
-        wait_until(lambda: pipeline.queued == 0 and pipeline.exported == 3, 10, 0.01, "drained")
+        wait_until(lambda: not pipeline.left and pipeline.exported == 3, 10, 0.01, "written whole")
     finally:
         pipeline.shutdown(2.0)
 
@@ -855,6 +854,34 @@ def test_the_owner_finishes_its_own_partial_frame_before_the_next(pipes) -> None
     assert pipeline.published == 102 and pipeline.exported == 0  # all by the owner
     frames = list(read_frames(io.BytesIO(bytes(got))))
     assert ids(frames) == [j.request_id for j in first + late]
+
+
+def test_an_owner_calling_through_an_exporter_outage_counts_its_journeys_lost(pipes) -> None:  # type: ignore[no-untyped-def]
+    """No exporter left (its pipe broke): the journeys of an owner that keeps
+    calling are counted lost for that reason (the drain thread takes them on
+    at once), not left to fill the queue and be counted as a full queue."""
+    from vllm_journey_otel.engine.pipeline import PUBLISH_INTERVAL_NS
+
+    r, w = pipes[0]
+    pipeline = JourneyPipeline(PipeSink(w), interval_s=0.01, maintain_s=3600.0)
+    try:
+        os.close(r)  # the exporter is gone
+        t = time.monotonic_ns()
+        for i in range(30):
+            pipeline.submit(journeys(1, start=i)[0])
+            t += PUBLISH_INTERVAL_NS
+            pipeline.publish_due(t)  # the owner keeps calling (its clock: every interval)
+            time.sleep(0.01)
+        assert pipeline.sink.broken
+        wait_until(
+            lambda: pipeline.losses[Loss.NO_EXPORTER] + pipeline.losses[Loss.WRITE_FAILED]
+            + pipeline.losses[Loss.EXPORTER_DIED] == 30 or None,
+            10, 0.01, "every journey counted lost",
+        )  # fmt: skip
+        assert pipeline.losses[Loss.NO_EXPORTER] > 0 and pipeline.losses[Loss.QUEUE_FULL] == 0
+        assert pipeline.queued == 0
+    finally:
+        pipeline.shutdown(1.0)
 
 
 def test_a_long_queue_goes_on_in_parts_of_owner_batch(pipes) -> None:  # type: ignore[no-untyped-def]
@@ -910,6 +937,8 @@ def test_an_owner_that_stops_calling_leaves_its_partial_frame_to_the_drain_threa
 
         os.set_blocking(r, False)
         wait_until(done, 10, 0.01, "the drain thread finished the owner's work")
+        with contextlib.suppress(BlockingIOError):
+            got.extend(os.read(r, 1 << 16))  # what its last write left
     finally:
         pipeline.shutdown(2.0)
     frames = list(read_frames(io.BytesIO(bytes(got))))

@@ -297,8 +297,8 @@ class PipeSink:
         # A partial frame's rest goes first, to its own exporter.
         if self.broken or self._lock.locked():
             return False
-        started = self._pending and self._pending_fd >= 0
-        return any_room([self._pending_fd] if started else self._fds)
+        fd = self._pending_fd  # read once: the drain thread may finish the rest meanwhile
+        return any_room([fd] if self._pending and fd >= 0 else self._fds)
 
     def offer(self, batch: Sequence[Record], engine_dropped: int = 0) -> bool:
         # Each frame carries this process's ``losses.carried``, the pipeline's
@@ -514,6 +514,6 @@ class PipeSink:
                     acks = self._acks.pop(fd, None)
                 if acks is not None:
                     acks.close()
-            self._fds = []
+            self._fds, self.broken = [], True  # nothing is written from now on
         finally:
             self._lock.release()

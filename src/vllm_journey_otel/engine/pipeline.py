@@ -59,6 +59,8 @@ class Sink(Protocol):
     """
 
     losses: LossAccount
+    # No receiving end (every exporter gone): what it is given is lost, counted.
+    broken: bool
 
     def may_take(self) -> bool:
         """The owner's thread, before it takes its queue out: whether an offer
@@ -259,7 +261,7 @@ class JourneyPipeline:
             # 0.3 ms or more of the owner's at 16,384 journeys, every interval
             # while the exporters are behind (docs/performance.md, "vLLM's
             # spin-waits and the exporter").
-            self._declined = True
+            self._decline()
             self._note_held()
             return
         batch: list[Record] = []
@@ -278,10 +280,18 @@ class JourneyPipeline:
                 with self._held_lock:  # back in the queue and out of hand at once
                     queue.extendleft(reversed(batch))
                     self._owner_in_hand = 0
-                self._declined = True
+                self._decline()
         finally:
             self._owner_in_hand = 0  # the sink's now, or back in the queue
         self._note_held()
+
+    def _decline(self) -> None:
+        """The owner's hand-off was declined: its own to retry at its next call,
+        unless no exporter is left (the drain thread, woken once, counts what
+        comes lost from then on)."""
+        if self.sink.broken and not self._declined:
+            self._wake.set()
+        self._declined = True
 
     def _note_held(self) -> None:
         """Owner or drain thread, after moving journeys: what is still held, for
@@ -371,10 +381,11 @@ class JourneyPipeline:
         to idle. Then whatever is queued, declined or left of a frame is the
         owner's to hand on at its next call, and the drain thread leaves it:
         every drain takes the GIL from the owner, and would split its frames.
-        Otherwise (an owner idle or stopped, or a sink that never takes
-        offers) it drains.
+        Otherwise (an owner idle or stopped, a sink that never takes offers,
+        or one with no exporter: what it is given is counted lost at once,
+        not left to fill the queue) it drains.
         """
-        if self._owner_idle or not self._offers:
+        if self._owner_idle or not self._offers or self.sink.broken:
             return False
         now_ns = time.monotonic_ns() if now_ns is None else now_ns
         return now_ns - self._engine_seen_ns < 3 * PUBLISH_INTERVAL_NS
@@ -401,8 +412,8 @@ class JourneyPipeline:
                 return 0
             if self._offers:
                 # From here the owner's offers may go through again; one declined
-                # while this drain writes (the sink's lock is taken) sets it back
-                # and wakes this thread again, so nothing waits for MAINTAIN_S.
+                # while this drain writes (the sink's lock is taken) sets it back,
+                # and the owner retries it at its next call.
                 self._declined = False
             queue = self._queue
             batch: list[Record] = []

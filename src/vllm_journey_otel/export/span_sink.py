@@ -132,6 +132,7 @@ class SpanSink:
         return False
 
     takes_offers = False
+    broken = False  # spans are built in this process: never without a receiving end
     replacing = False  # nothing to replace: spans are built in this process
     unsent = 0  # it writes nothing: a batch it takes is built and exported
 
