@@ -20,7 +20,8 @@ from vllm_journey_otel import __version__
 from vllm_journey_otel import schema as S
 from vllm_journey_otel.config import EXPORT_MODE, MODE_PROCESS
 from vllm_journey_otel.engine.pipe_sink import PipeSink
-from vllm_journey_otel.engine.pipeline import JourneyPipeline, Sink
+from vllm_journey_otel.engine.pipeline import JourneyPipeline
+from vllm_journey_otel.engine.sink import Sink
 from vllm_journey_otel.engine.state import _STATE
 from vllm_journey_otel.export.span_sink import SpanSink
 from vllm_journey_otel.log import logger
