@@ -26,10 +26,14 @@ for the share. What this cannot show is what a thread of ours costs the loop
 when it takes the GIL on a saturated CPU: ``benchmarks/gil_wake_cost.py``.
 
     .venv/bin/python benchmarks/api_loop_cost.py [ROUNDS] [REQUESTS] [CHUNKS] [CONCURRENCY]
-        [traceparent]
+        [traceparent] [nogc]
 
 ``traceparent``: every request carries a client's ``traceparent`` (sampled),
 as from a traced client: our span's parent, its trace the engine's.
+``nogc``: the garbage collector off for the run (``gc.disable()``): what our
+code takes without the collections its objects make the collector run.
+Every response must be a 200 (a route that FastAPI cannot resolve answers
+422, and the run stops: a benchmark of error responses measures nothing).
 """
 
 from __future__ import annotations
@@ -44,13 +48,15 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+# At module level: FastAPI resolves the routes' annotations (strings here) in
+# this module's globals; a name it cannot resolve makes a route answer 422.
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
 os.environ.setdefault("OTEL_TRACES_EXPORTER", "none")
 
 
 def make_app(traced: bool, chunks: int) -> Any:
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
-
     from vllm_journey_otel.engine import api_server
     from vllm_journey_otel.engine.frontend import install_middleware
 
@@ -121,7 +127,8 @@ async def call(app: Any, path: str) -> None:
         return {"type": "http.disconnect"}
 
     async def send(message: dict[str, Any]) -> None:
-        pass
+        if message["type"] == "http.response.start" and message["status"] != 200:
+            raise SystemExit(f"{path} answered {message['status']}: the benchmark measures nothing")
 
     await app(scope, receive, send)
 
@@ -145,6 +152,8 @@ def main() -> None:
     requests = int(sys.argv[2]) if len(sys.argv) > 2 else 2000
     chunks = int(sys.argv[3]) if len(sys.argv) > 3 else 16
     concurrency = int(sys.argv[4]) if len(sys.argv) > 4 else 48
+    if "nogc" in sys.argv[5:]:  # our work alone, without the collections it causes
+        gc.disable()
     if "traceparent" in sys.argv[5:]:
         tp = b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
         CLIENT_HEADERS.append((b"traceparent", tp))

@@ -15,7 +15,12 @@ one process, each part timed alone on this process's event loop thread
   hand-on to this process's pipeline, which writes to a real exporter
   process with ``OTEL_TRACES_EXPORTER=none``), as the difference between
   building and finishing requests and only building them; the pipeline is
-  flushed between repeats, untimed, so that none is dropped.
+  flushed between repeats, untimed, so that none is dropped;
+* ``tracked_objects``: what the garbage collector tracks per request in
+  flight, 48 event streams of a real FastAPI app held open at once (through
+  ASGI, as ``api_loop_cost.py`` drives it), with our middleware and without:
+  what a request adds to the objects whose count makes the collector run,
+  and which (``gc.get_objects()`` by type, after a collection).
 
     .venv/bin/python benchmarks/api_parts_cost.py [N] [REPEATS]
 
@@ -25,15 +30,22 @@ Clock: ``time.perf_counter`` (wall time of a loop that never waits).
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import sys
 import time
 import timeit
+from collections import Counter
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from fastapi import FastAPI, Request  # module level: the route's annotations name them
+from fastapi.responses import StreamingResponse
+
 os.environ.setdefault("OTEL_TRACES_EXPORTER", "none")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # api_loop_cost
 
 HEADERS = [  # what the OpenAI Python client sends
     (b"host", b"127.0.0.1:8000"), (b"accept-encoding", b"gzip, deflate"),
@@ -61,6 +73,63 @@ async def receive() -> dict[str, Any]:
 
 async def send(message: dict[str, Any]) -> None:
     pass
+
+
+async def tracked_per_request(traced: bool, in_flight: int = 48) -> tuple[float, Counter[str]]:
+    """Objects the collector tracks per request while ``in_flight`` event
+    streams are held open (after their first chunk), and their types."""
+    from api_loop_cost import call
+
+    from vllm_journey_otel.engine import api_server
+    from vllm_journey_otel.engine.frontend import install_middleware
+    from vllm_journey_otel.engine.state import _STATE
+
+    app, gate, ids = FastAPI(), asyncio.Event(), iter(range(10**9))
+    held = [0]  # streams waiting at the gate
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        await request.json()
+        rid = f"chatcmpl-{next(ids)}"
+        api = api_server.current()
+        if api is not None:  # as vLLM's wrappers of frontend.py call them
+            api.on_engine_request(SimpleNamespace(request_id=rid, arrival_time=time.time()))
+            api.on_handoff()
+
+        async def events() -> Any:
+            yield "data: 1\n\n"
+            held[0] += 1
+            await gate.wait()
+            api_server.on_last_output(rid)
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    if traced:
+        install_middleware(app)
+    else:  # built now, without ours
+        _STATE.enabled = False
+        app.middleware_stack = app.build_middleware_stack()
+        _STATE.enabled = True
+    counts: list[tuple[int, Counter[str]]] = []
+    for n in (4, in_flight):  # the first: warm-up (the app's lazy set-up)
+        gate.clear()
+        held[0] = 0
+        gc.collect()
+        before = Counter(type(o).__name__ for o in gc.get_objects())
+        tasks = [asyncio.create_task(call(app, "/v1/chat/completions")) for _ in range(n)]
+        while held[0] < n:  # every stream open, its first chunk sent
+            ended = [t for t in tasks if t.done()]
+            if ended:  # a request that did not stream: say why, do not wait for it
+                raise SystemExit(f"a request ended before its stream was held: {ended[0]!r}")
+            await asyncio.sleep(0)
+        gc.collect()
+        during = Counter(type(o).__name__ for o in gc.get_objects())
+        gate.set()
+        await asyncio.gather(*tasks)
+        counts.append((n, during - before))
+    n, added = counts[-1]
+    return sum(added.values()) / n, added
 
 
 def main() -> None:
@@ -125,6 +194,8 @@ def main() -> None:
     trace_id, span_id = (1 << 127) | 12345, (1 << 63) | 678
     traceparent = best(lambda: f"00-{trace_id:032x}-{span_id:016x}-01")
     parts = asyncio.run(loop_parts())
+    tracked = {k: asyncio.run(tracked_per_request(k == "on")) for k in ("off", "on")}
+    added = tracked["on"][1] - tracked["off"][1]
     pipeline.flush(10)
     print(json.dumps({
         "calls_per_repeat": n, "repeats": repeats,
@@ -137,6 +208,11 @@ def main() -> None:
             "ours - direct - receipt": round(parts["ours"] - parts["direct"] - receipt, 3),
         },
         "end_us (_finish: record, queue, hand-on)": round(parts["build+end"] - parts["build"], 3),
+        "tracked_objects_per_request_in_flight": {
+            "off": round(tracked["off"][0], 1),
+            "on": round(tracked["on"][0], 1),
+            "ours, by type": {k: round(v / 48, 2) for k, v in added.most_common(12)},
+        },
         "records_lost": pipeline.losses.by_reason(),
     }, indent=2))  # fmt: skip
     hooks.uninstall()
