@@ -26,12 +26,22 @@ for the share. What this cannot show is what a thread of ours costs the loop
 when it takes the GIL on a saturated CPU: ``benchmarks/gil_wake_cost.py``.
 
     .venv/bin/python benchmarks/api_loop_cost.py [ROUNDS] [REQUESTS] [CHUNKS] [CONCURRENCY]
-        [traceparent] [nogc]
+        [traceparent] [nogc] [parts]
 
 ``traceparent``: every request carries a client's ``traceparent`` (sampled),
 as from a traced client: our span's parent, its trace the engine's.
 ``nogc``: the garbage collector off for the run (``gc.disable()``): what our
 code takes without the collections its objects make the collector run.
+``parts``: four more apps, our middleware cut short after each of its parts
+in turn (``part_app``): ``receipt`` (the request's object built, the
+server's own ``send`` and ``receive`` handed on), ``+wrap`` (ours handed on),
+``+context`` (the context variable set: the hooks find the request and do
+their work), ``+end`` (the request's end, without the record: no pipeline),
+then ``on`` adds the record and its hand-on. Each block's figure is paired
+with the ``off`` block of its round: ``loop_minus_off_paired_us`` gives the
+median and quartiles of those differences (run it with ``nogc`` and many
+small blocks, ``100 480 8 48 nogc parts``: the CPU's speed drifts less
+within a round than across the run).
 Every response must be a 200 (a route that FastAPI cannot resolve answers
 422, and the run stops: a benchmark of error responses measures nothing).
 """
@@ -103,6 +113,38 @@ def make_app(traced: bool, chunks: int) -> Any:
     return app
 
 
+def part_app(chunks: int, wrap: bool, context: bool, end: bool) -> Any:
+    """``parts``: our middleware's steps up to one of them (JourneyMiddleware.__call__'s,
+    without its error handling); ``end`` runs with no pipeline (``_PIPELINE_OFF``)."""
+    from vllm_journey_otel.engine import api_server
+
+    app = make_app(False, chunks)
+    inner = app.middleware_stack
+
+    async def middleware(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await inner(scope, receive, send)
+        req = api_server.ApiRequest(scope, time.monotonic_ns(), receive, send)
+        token = api_server._CURRENT.set(req) if context else None
+        try:
+            if wrap:
+                await inner(scope, req.receive, req.send)
+            else:
+                await inner(scope, receive, send)
+        finally:
+            if token is not None:
+                api_server._CURRENT.reset(token)
+            if end:
+                api_server._finish(req)
+
+    app.middleware_stack = middleware
+    return app
+
+
+# The apps whose blocks run with no pipeline in this process (``+end``).
+_PIPELINE_OFF = {"+end"}
+
+
 # A traced client's headers (``traceparent`` on the command line), else none.
 CLIENT_HEADERS: list[tuple[bytes, bytes]] = []
 
@@ -147,6 +189,13 @@ async def block(app: Any, requests: int, concurrency: int) -> tuple[float, float
     )
 
 
+def paired(values: list[float], off: list[float]) -> dict[str, float]:
+    """Median and quartiles of each round's figure minus that round's ``off``."""
+    diffs = [a - b for a, b in zip(values, off, strict=True)]
+    q1, _, q3 = statistics.quantiles(diffs, n=4) if len(diffs) > 1 else (diffs * 3)
+    return {"median": round(statistics.median(diffs), 2), "p25": round(q1, 2), "p75": round(q3, 2)}
+
+
 def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 12
     requests = int(sys.argv[2]) if len(sys.argv) > 2 else 2000
@@ -169,24 +218,36 @@ def main() -> None:
         )
     )
     pipeline = _pipeline_for(owner)
+    from vllm_journey_otel.engine import api_server
+
     apps = {"off": make_app(False, chunks), "off-2": make_app(False, chunks),
             "on": make_app(True, chunks)}  # fmt: skip
+    if "parts" in sys.argv[5:]:
+        apps["receipt"] = part_app(chunks, wrap=False, context=False, end=False)
+        apps["+wrap"] = part_app(chunks, wrap=True, context=False, end=False)
+        apps["+context"] = part_app(chunks, wrap=True, context=True, end=False)
+        apps["+end"] = part_app(chunks, wrap=True, context=True, end=True)
+    own_pipeline = api_server.pipeline
     loop_us: dict[str, list[float]] = {k: [] for k in apps}
     proc_us: dict[str, list[float]] = {k: [] for k in apps}
     gen0: dict[str, list[float]] = {k: [] for k in apps}
 
     async def run() -> None:
-        for app in apps.values():
-            await block(app, requests // 4, concurrency)  # warm-up
+        names = list(apps)
+        for name in names:
+            api_server.pipeline = (lambda: None) if name in _PIPELINE_OFF else own_pipeline
+            await block(apps[name], requests // 4, concurrency)  # warm-up
         for r in range(rounds):
-            names = list(apps)
-            for name in names[r % 3 :] + names[: r % 3]:
+            shift = r % len(names)
+            for name in names[shift:] + names[:shift]:
+                api_server.pipeline = (lambda: None) if name in _PIPELINE_OFF else own_pipeline
                 a, b, c = await block(apps[name], requests, concurrency)
                 loop_us[name].append(a)
                 proc_us[name].append(b)
                 gen0[name].append(c)
 
     asyncio.run(run())
+    api_server.pipeline = own_pipeline
     pipeline.flush(10)
     med = {k: round(statistics.median(v), 2) for k, v in loop_us.items()}
     pmed = {k: round(statistics.median(v), 2) for k, v in proc_us.items()}
@@ -200,6 +261,9 @@ def main() -> None:
         "loop_off2_minus_off_us (A/A)": round(med["off-2"] - med["off"], 2),
         "process_on_minus_off_us": round(pmed["on"] - pmed["off"], 2),
         "process_off2_minus_off_us (A/A)": round(pmed["off-2"] - pmed["off"], 2),
+        "loop_minus_off_paired_us": {
+            k: paired(v, loop_us["off"]) for k, v in loop_us.items() if k != "off"
+        },
         "gc_gen0_collections_per_1000_requests": {
             k: round(statistics.median(v), 1) for k, v in gen0.items()
         },
