@@ -18,9 +18,8 @@ holds) and the args keep each span's exact ``start_unix_ns`` and ``end_unix_ns``
 
 Bounded memory, two passes: pass 1 keeps a few numbers per journey and the
 slowest ``--limit`` roots; pass 2 holds a kept journey's spans only until all of
-them (counted in pass 1) were read. A span sticking out of its parent or
-overlapping its previous sibling is clamped so nesting holds (the root's slice
-widens to hold ``vllm.kv_held``, which follows it); args keep the span's times.
+them (counted in pass 1) were read. Each journey is drawn as ``slice_tree.py``'s
+nested slices (clamped so nesting holds; args keep the span's times).
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from typing import IO, Any, NamedTuple
 import msgspec
 
 from vllm_journey_otel import schema as S
+from vllm_journey_otel.tools.slice_tree import Slice, tree, walk
 from vllm_journey_otel.tools.tracefile import FileSpan, TraceFileError, read_spans
 
 EXIT_OK, EXIT_EMPTY, EXIT_USAGE = 0, 1, 2  # as tools/cli.py
@@ -171,67 +171,13 @@ def journeys(
         yield p.index[root], buf
 
 
-@dataclass
-class _Node:
-    """A span as a slice: its shown interval (clamped into its parent) and children."""
-
-    span: FileSpan
-    start: int
-    end: int
-    children: list[_Node] = field(default_factory=list)
-
-    def args(self, times: bool) -> dict[str, Any]:
-        """The span's attributes (the root's: and its trace id); with ``times`` or
-        when clamped, its exact start and end."""
-        a = dict(self.span.attributes)
-        if self.span.name == S.SPAN_REQUEST:
-            a["trace_id"] = self.span.trace_id
-        if times or (self.start, self.end) != (self.span.start_unix_ns, self.span.end_unix_ns):
-            a["start_unix_ns"], a["end_unix_ns"] = self.span.start_unix_ns, self.span.end_unix_ns
-        return a
-
-
-def tree(spans: list[FileSpan]) -> _Node | None:
-    """A journey's spans as a tree of slices, children in time order, nested."""
-    nodes = {s.span_id: _Node(s, s.start_unix_ns, s.end_unix_ns) for s in spans}
-    root = next((n for n in nodes.values() if n.span.name == S.SPAN_REQUEST), None)
-    if root is None:
-        return None
-    for n in nodes.values():
-        parent = nodes.get(n.span.parent_span_id)
-        if n is not root and parent is not None:
-            parent.children.append(n)
-            if n.span.name == S.SPAN_KV_HELD:
-                root.end = max(root.end, n.end)
-    _clamp(root)
-    return root
-
-
-def _clamp(node: _Node) -> None:
-    node.children.sort(key=lambda c: (c.span.start_unix_ns, -c.span.end_unix_ns))
-    low = node.start
-    for c in node.children:
-        c.start = min(max(c.start, low), node.end)
-        c.end = max(min(c.end, node.end), c.start)
-        low = c.end
-        _clamp(c)
-
-
-def _walk(node: _Node) -> Iterator[tuple[bool, _Node]]:
-    """(True, node) at its begin, (False, node) at its end, in time order."""
-    yield True, node
-    for c in node.children:
-        yield from _walk(c)
-    yield False, node
-
-
 class _Flow(NamedTuple):
-    target: _Node  # the vllm.preempted slice
+    target: Slice  # the vllm.preempted slice
     source: int  # journey index of the preempting request
     flow_id: int
 
 
-def _flows(p: _Plan, index: int, root: _Node, next_id: Callable[[], int]) -> list[_Flow]:
+def _flows(p: _Plan, index: int, root: Slice, next_id: Callable[[], int]) -> list[_Flow]:
     """The preemptions of a journey whose preempting request is in the output."""
     instance = p.instance_ids[p.journeys[index].instance]
     out = []
@@ -264,7 +210,7 @@ def _instance_name(host: str, tag: str) -> str:
     return f"vllm {host} {tag}" if tag else f"vllm {host}"
 
 
-def _preempts(root: _Node) -> str:
+def _preempts(root: Slice) -> str:
     return f"preempts {root.span.attributes.get(S.REQUEST_ID, '')}"
 
 
@@ -312,7 +258,7 @@ class _ProtoWriter:
                 sibling_merge_behavior=td.SIBLING_MERGE_BEHAVIOR_NONE,
             )
 
-    def journey(self, index: int, root: _Node, flows: list[_Flow]) -> None:
+    def journey(self, index: int, root: Slice, flows: list[_Flow]) -> None:
         te = self.pb.TrackEvent
         flow_into = {id(f.target): f.flow_id for f in flows}
         for f in flows:
@@ -320,7 +266,7 @@ class _ProtoWriter:
                      "name": _preempts(root), "flow_ids": [f.flow_id]}  # fmt: skip
             self._write(f.target.start, track_event=event)
         track = _JOURNEY_UUID_BASE + index
-        for begin, node in _walk(root):
+        for begin, node in walk(root):
             if not begin:
                 self._write(node.end, track_event={"type": te.TYPE_SLICE_END, "track_uuid": track})
                 continue
@@ -385,13 +331,13 @@ class _JsonWriter:
             self._emit("M", "thread_name", self._where(j), args={"name": r.request_id})
             self._emit("M", "thread_sort_index", self._where(j), args={"sort_index": j})
 
-    def journey(self, index: int, root: _Node, flows: list[_Flow]) -> None:
+    def journey(self, index: int, root: Slice, flows: list[_Flow]) -> None:
         for f in flows:
             ts, src = _us(f.target.start), self._where(f.source)
             self._emit("i", _preempts(root), src, cat="vllm", ts=ts, s="t")
             self._emit("s", "preemption", src, cat="vllm", ts=ts, id=f.flow_id)
         here = self._where(index)
-        for begin, node in _walk(root):
+        for begin, node in walk(root):
             if begin:
                 ts, args = _us(node.start), node.args(times=True)
                 self._emit("X", node.span.name, here, cat="vllm", ts=ts, dur=_us(node.end) - ts,
