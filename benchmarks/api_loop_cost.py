@@ -32,16 +32,19 @@ when it takes the GIL on a saturated CPU: ``benchmarks/gil_wake_cost.py``.
 as from a traced client: our span's parent, its trace the engine's.
 ``nogc``: the garbage collector off for the run (``gc.disable()``): what our
 code takes without the collections its objects make the collector run.
-``parts``: four more apps, our middleware cut short after each of its parts
-in turn (``part_app``): ``receipt`` (the request's object built, the
-server's own ``send`` and ``receive`` handed on), ``+wrap`` (ours handed on),
-``+context`` (the context variable set: the hooks find the request and do
-their work), ``+end`` (the request's end, without the record: no pipeline),
-then ``on`` adds the record and its hand-on. Each block's figure is paired
-with the ``off`` block of its round: ``loop_minus_off_paired_us`` gives the
-median and quartiles of those differences (run it with ``nogc`` and many
+``parts``: five more apps, our middleware's steps one by one (``part_app``,
+inserted where ours is): ``layer`` (a pass-through middleware), ``+receipt``
+(the request's object built, the server's own ``send`` and ``receive``
+handed on), ``+wrap`` (ours handed on), ``+context`` (the context variable
+set: the hooks find the request and do their work), ``+end`` (the request's
+end, without the record: no pipeline), then ``on`` adds the record and its
+hand-on. Each block's figure is paired with the ``off`` block of its round
+(``loop_minus_off_paired_us``: median and quartiles) and each step with the
+step before it (``parts_step_paired_us``). Run it with ``nogc`` and many
 small blocks, ``100 480 8 48 nogc parts``: the CPU's speed drifts less
-within a round than across the run).
+within a round than across the run. After each block, untimed, the loop
+runs 60 ms on its own (the hand-on timer an ``on`` block left fires there)
+and, with ``nogc``, the garbage is collected.
 Every response must be a 200 (a route that FastAPI cannot resolve answers
 422, and the run stops: a benchmark of error responses measures nothing).
 """
@@ -113,34 +116,49 @@ def make_app(traced: bool, chunks: int) -> Any:
     return app
 
 
-def part_app(chunks: int, wrap: bool, context: bool, end: bool) -> Any:
-    """``parts``: our middleware's steps up to one of them (JourneyMiddleware.__call__'s,
-    without its error handling); ``end`` runs with no pipeline (``_PIPELINE_OFF``)."""
+def part_app(chunks: int, steps: int) -> Any:
+    """``parts``: our middleware's first ``steps`` steps (JourneyMiddleware.__call__'s,
+    without its error handling), inserted where ours is (``install_middleware``:
+    first of the app's user middleware): 0 a pass-through layer, 1 the request's
+    object, 2 our ``send`` and ``receive``, 3 the context variable (the hooks
+    find the request), 4 the request's end (run with no pipeline: ``_PIPELINE_OFF``)."""
+    from starlette.middleware import Middleware
+
     from vllm_journey_otel.engine import api_server
+    from vllm_journey_otel.engine.state import _STATE
 
-    app = make_app(False, chunks)
-    inner = app.middleware_stack
+    class Part:
+        def __init__(self, app: Any) -> None:
+            self.app = app
 
-    async def middleware(scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await inner(scope, receive, send)
-        req = api_server.ApiRequest(scope, time.monotonic_ns(), receive, send)
-        token = api_server._CURRENT.set(req) if context else None
-        try:
-            if wrap:
-                await inner(scope, req.receive, req.send)
-            else:
-                await inner(scope, receive, send)
-        finally:
-            if token is not None:
-                api_server._CURRENT.reset(token)
-            if end:
-                api_server._finish(req)
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] != "http" or not (_STATE.enabled and _STATE.config.api_spans):
+                return await self.app(scope, receive, send)
+            if steps == 0:
+                return await self.app(scope, receive, send)
+            req = api_server.ApiRequest(scope, time.monotonic_ns(), receive, send)
+            token = api_server._CURRENT.set(req) if steps >= 3 else None
+            try:
+                if steps >= 2:
+                    await self.app(scope, req.receive, req.send)
+                else:
+                    await self.app(scope, receive, send)
+            finally:
+                if token is not None:
+                    api_server._CURRENT.reset(token)
+                if steps >= 4:
+                    api_server._finish(req)
 
-    app.middleware_stack = middleware
+    app = make_app(False, chunks)  # built without ours, then rebuilt with the part
+    app.user_middleware.insert(0, Middleware(Part))
+    _STATE.enabled = False  # (the installed hook would insert ours too)
+    app.middleware_stack = app.build_middleware_stack()
+    _STATE.enabled = True
     return app
 
 
+# ``parts``: the apps of part_app's steps, in order (``on`` is the next).
+PARTS = ("layer", "+receipt", "+wrap", "+context", "+end")
 # The apps whose blocks run with no pipeline in this process (``+end``).
 _PIPELINE_OFF = {"+end"}
 
@@ -223,10 +241,8 @@ def main() -> None:
     apps = {"off": make_app(False, chunks), "off-2": make_app(False, chunks),
             "on": make_app(True, chunks)}  # fmt: skip
     if "parts" in sys.argv[5:]:
-        apps["receipt"] = part_app(chunks, wrap=False, context=False, end=False)
-        apps["+wrap"] = part_app(chunks, wrap=True, context=False, end=False)
-        apps["+context"] = part_app(chunks, wrap=True, context=True, end=False)
-        apps["+end"] = part_app(chunks, wrap=True, context=True, end=True)
+        for steps, name in enumerate(PARTS):
+            apps[name] = part_app(chunks, steps)
     own_pipeline = api_server.pipeline
     loop_us: dict[str, list[float]] = {k: [] for k in apps}
     proc_us: dict[str, list[float]] = {k: [] for k in apps}
@@ -242,6 +258,11 @@ def main() -> None:
             for name in names[shift:] + names[:shift]:
                 api_server.pipeline = (lambda: None) if name in _PIPELINE_OFF else own_pipeline
                 a, b, c = await block(apps[name], requests, concurrency)
+                # Untimed: the hand-on timer a block left fires here, not in
+                # the next block (and, with ``nogc``, its cyclic garbage goes).
+                await asyncio.sleep(0.06)
+                if not gc.isenabled():
+                    gc.collect()
                 loop_us[name].append(a)
                 proc_us[name].append(b)
                 gen0[name].append(c)
@@ -263,6 +284,12 @@ def main() -> None:
         "process_off2_minus_off_us (A/A)": round(pmed["off-2"] - pmed["off"], 2),
         "loop_minus_off_paired_us": {
             k: paired(v, loop_us["off"]) for k, v in loop_us.items() if k != "off"
+        },
+        # Each step of ``parts`` paired with the step before it (``layer``: with off).
+        "parts_step_paired_us": {
+            name: paired(loop_us[name], loop_us[before])
+            for before, name in zip(("off", *PARTS), (*PARTS, "on"), strict=True)
+            if name in loop_us and before in loop_us
         },
         "gc_gen0_collections_per_1000_requests": {
             k: round(statistics.median(v), 1) for k, v in gen0.items()

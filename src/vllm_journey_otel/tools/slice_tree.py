@@ -1,6 +1,6 @@
 """A journey's spans as nested slices: the tree ``vllm-journey perfetto`` draws.
 
-Runs in the CLI's process (``tools/perfetto.py``), offline, on spans read from
+Runs in the CLI's process (one thread; ``tools/perfetto.py``), offline, on spans read from
 trace files. Times: the spans' epoch ns (``*_unix_ns``) as the files carry
 them. A span sticking out of its parent or overlapping its previous sibling is
 clamped so nesting holds (the root widens to hold ``vllm.kv_held``, which
